@@ -1,0 +1,405 @@
+"""Tests for ddp_train.py: the real script, in real processes, with real process groups
+(gloo on CPU). Every launch has a hard timeout that kills its whole process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ddp_train
+
+ROOT = Path(__file__).resolve().parent
+SCRIPT = str(ROOT / "ddp_train.py")
+PY = sys.executable
+TIMEOUT = 150  # seconds for any one launch; a hang fails fast instead of eating CI
+# A small workload: 2 epochs, 32 samples per process and step. 1000 divides by 2 and 4
+# processes (no sampler padding), and not by the global batch (a short last step).
+SMALL = ["--num-samples", "1000", "--eval-samples", "301", "--epochs", "2", "--batch-size", "32"]
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+
+
+# ---------------------------------------------------------------------------
+# The shared launcher
+# ---------------------------------------------------------------------------
+
+
+def clean_env(**extra) -> dict:
+    """The test's environment without any launcher's variables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in
+           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def free_port(low=None, high=None) -> int:
+    """A port nobody listens on: the kernel's pick, or a random one in [low, high)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", random.randrange(low, high) if low else 0))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port")
+
+
+class Launch:
+    """A command started in its own session (process group), output to files. Use as a context
+    manager: on exit the whole group is killed, whatever happened."""
+
+    def __init__(self, cmd, log_dir: Path, name="run", env=None, cwd=None):
+        self.cmd, self.out_path, self.err_path = [str(c) for c in cmd], log_dir / f"{name}.out", log_dir / f"{name}.err"
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=err, env=env or clean_env(),
+                                         cwd=cwd or ROOT, start_new_session=True)
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_text()
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def wait(self, timeout=TIMEOUT) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"timed out after {timeout}s: {' '.join(self.cmd)}\n{self.stdout}\n{self.stderr}")
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def wait_for(self, predicate, what: str, timeout=TIMEOUT):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if self.proc.poll() is not None:
+                pytest.fail(f"exited ({self.proc.returncode}) before {what}\n{self.stdout}\n{self.stderr}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {what} within {timeout}s\n{self.stdout}\n{self.stderr}")
+            time.sleep(0.005)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+
+
+class Result:
+    def __init__(self, launch: Launch, out_dir: Path):
+        self.returncode, self.stdout, self.stderr, self.out_dir = launch.proc.returncode, launch.stdout, launch.stderr, out_dir
+
+    @property
+    def metrics(self) -> list[dict]:
+        return [json.loads(line) for line in (self.out_dir / "metrics.jsonl").read_text().splitlines()]
+
+    @property
+    def weights(self) -> dict:
+        return torch.load(self.out_dir / "model.pt", weights_only=True)
+
+    def __repr__(self):
+        return f"exit {self.returncode}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+
+def python_cmd(*args):
+    return [PY, SCRIPT, *args]
+
+
+def torchrun_cmd(nproc, *args, launcher_args=()):
+    return [PY, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=localhost:0", *launcher_args, SCRIPT, *args]
+
+
+def run(cmd, tmp_path: Path, out="out", name=None, env=None, cwd=None, timeout=TIMEOUT, expect=0) -> Result:
+    """Launch `cmd` (ddp_train.py's args get --out-dir tmp_path/out), wait, check the exit code."""
+    out_dir = tmp_path / out
+    name = name or out
+    with Launch([*cmd, "--out-dir", out_dir], tmp_path, name, env=env, cwd=cwd) as launch:
+        launch.wait(timeout)
+    result = Result(launch, out_dir)
+    if expect is not None:
+        assert result.returncode == expect, result
+    return result
+
+
+def assert_same_weights(a: dict, b: dict, exact=False):
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), f"{k} differs (max {(a[k] - b[k]).abs().max():.3g})"
+        else:
+            assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5), f"{k} differs by up to {(a[k] - b[k]).abs().max():.3g}"
+
+
+def default_args(*argv):
+    return ddp_train.parse_args(list(argv))
+
+
+def assert_only_rank0_files(out_dir: Path):
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(["checkpoint.pt", "checkpoint.prev.pt", "metrics.jsonl", "model.pt"])
+
+
+# ---------------------------------------------------------------------------
+# Launch modes: each completes and writes model.pt once
+# ---------------------------------------------------------------------------
+
+
+def check_completed_run(r: Result, world_size: int, launcher: str):
+    assert f"{launcher}, world size {world_size}" in r.stdout, r
+    assert r.stdout.count("saved ") == 1, r  # rank 0 alone speaks and saves
+    assert [m["world_size"] for m in r.metrics] == [world_size, world_size]
+    assert_only_rank0_files(r.out_dir)
+    model = ddp_train.build_model(default_args())
+    model.load_state_dict(r.weights)  # plain, strict: no "module." or "_orig_mod." prefixes
+
+
+def test_plain_python_runs_one_process_without_process_group(tmp_path):
+    check_completed_run(run(python_cmd(*SMALL), tmp_path), 1, "python")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_torchrun_single_node(tmp_path, nproc):
+    check_completed_run(run(torchrun_cmd(nproc, *SMALL), tmp_path), nproc, "torchrun")
+
+
+def test_spawn_starts_local_processes_itself(tmp_path):
+    check_completed_run(run(python_cmd(*SMALL, "--spawn", 2), tmp_path), 2, "spawn")
+
+
+def test_legacy_distributed_launch_passes_local_rank_argument(tmp_path):
+    cmd = [PY, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}", SCRIPT, *SMALL]
+    check_completed_run(run(cmd, tmp_path), 2, "launch")
+
+
+@pytest.mark.parametrize("spelling", ["--local-rank=1", "--local_rank=1"])
+def test_both_legacy_local_rank_spellings_parse(spelling):
+    assert ddp_train.parse_args([spelling]).local_rank == 1
+
+
+def test_slurm_tasks_find_master_from_nodelist_and_port_from_job_id(tmp_path):
+    # srun's variables for 2 tasks on one node. MASTER_ADDR is unset: it comes from the first host
+    # of the node list; MASTER_PORT is unset: every task derives it from the job id.
+    port = free_port(15000, 35000)
+    slurm = dict(SLURM_NTASKS=2, SLURM_STEP_NUM_TASKS=2, SLURM_NTASKS_PER_NODE=2, SLURM_JOB_ID=port - 15000,
+                 SLURM_JOB_NODELIST="127.0.0.[1-2]")
+    out_dir = tmp_path / "out"
+    tasks = [Launch(python_cmd(*SMALL, "--out-dir", out_dir), tmp_path, f"task{i}",
+                    env=clean_env(**slurm, SLURM_PROCID=i, SLURM_LOCALID=i)) for i in range(2)]
+    try:
+        codes = [t.wait() for t in tasks]
+    finally:
+        for t in tasks:
+            t.kill()
+    assert codes == [0, 0], tasks[0].stderr + tasks[1].stderr
+    check_completed_run(Result(tasks[0], out_dir), 2, "slurm")
+    assert tasks[1].stdout == ""  # rank 1 prints nothing
+
+
+def test_sbatch_script_running_python_directly_is_one_process(tmp_path):
+    # Inside an sbatch script (no srun) SLURM_NTASKS may be 4, but this is one process, not a task.
+    env = clean_env(SLURM_NTASKS=4, SLURM_PROCID=0, SLURM_LOCALID=0, SLURM_JOB_ID=7, SLURM_JOB_NODELIST="n[1-4]")
+    check_completed_run(run(python_cmd(*SMALL), tmp_path, env=env), 1, "python")
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "file"])
+def test_tcp_and_file_init_methods(tmp_path, scheme):
+    where = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/rendezvous"
+    r = run(python_cmd(*SMALL, "--spawn", 2, "--init-method", where), tmp_path)
+    check_completed_run(r, 2, "spawn")
+
+
+def test_two_torchrun_nodes_on_localhost_only_rank0_writes(tmp_path):
+    # Two "nodes", each one torchrun with one process, each in its own directory with a
+    # relative --out-dir: node 1's directory must stay empty.
+    port = free_port()
+    nodes = []
+    for node_rank in range(2):
+        cwd = tmp_path / f"node{node_rank}"
+        cwd.mkdir()
+        cmd = [PY, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node_rank}",
+               "--master_addr=127.0.0.1", f"--master_port={port}", SCRIPT, *SMALL, "--out-dir", "out"]
+        nodes.append(Launch(cmd, tmp_path, f"node{node_rank}", cwd=cwd))
+    try:
+        codes = [n.wait() for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    assert codes == [0, 0], nodes[0].stderr + nodes[1].stderr
+    check_completed_run(Result(nodes[0], tmp_path / "node0" / "out"), 2, "torchrun")
+    assert not (tmp_path / "node1" / "out").exists()
+
+
+def test_importing_starts_nothing():
+    r = subprocess.run([PY, "-c", "import ddp_train, torch.distributed as d; print(d.is_initialized())"],
+                       cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "False" and r.returncode == 0, r.stderr
+
+
+def test_repeated_torchrun_runs_never_abort_at_exit(tmp_path):
+    # The classic gloo abort ("terminate called without an active exception") hits about one run in
+    # three when the process group dies before the DDP model: ten clean exits in a row.
+    tiny = ["--num-samples", "256", "--eval-samples", "64", "--epochs", "1", "--batch-size", "32"]
+    for i in range(10):
+        r = run(torchrun_cmd(2, *tiny), tmp_path, out=f"out{i}")
+        assert "terminate called" not in r.stderr, r
+
+
+# ---------------------------------------------------------------------------
+# Equivalence: N processes x batch B == 1 process x batch N*B
+# ---------------------------------------------------------------------------
+
+
+def test_two_ranks_match_single_process_global_batch(tmp_path):
+    two = run(torchrun_cmd(2, *SMALL), tmp_path, out="two")
+    one = run(python_cmd(*SMALL, "--batch-size", 64), tmp_path, out="one")
+    assert_same_weights(two.weights, one.weights)
+    # The logged global train loss is the same number the single process computed.
+    for a, b in zip(two.metrics, one.metrics):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+        assert a["train_samples"] == b["train_samples"] == 1000
+    # Negative control: the tolerance does tell a different global batch apart.
+    other = run(python_cmd(*SMALL), tmp_path, out="other")
+    with pytest.raises(AssertionError):
+        assert_same_weights(two.weights, other.weights)
+
+
+def test_grad_accum_two_ranks_match_single_process_four_times_batch(tmp_path):
+    accum = run(torchrun_cmd(2, *SMALL, "--grad-accum", 2), tmp_path, out="accum")
+    one = run(python_cmd(*SMALL, "--batch-size", 128), tmp_path, out="one")
+    assert_same_weights(accum.weights, one.weights)
+    assert accum.metrics[-1]["effective_batch_size"] == 128
+
+
+def test_logged_train_loss_is_exact_global_mean(tmp_path):
+    # With lr 0 the weights never move, so the epoch's train loss must be the initial model's
+    # mean loss over every training sample, whichever rank saw it.
+    r = run(torchrun_cmd(2, *SMALL, "--lr", 0), tmp_path)
+    args = default_args(*SMALL)
+    train_set, _ = ddp_train.build_datasets(args)
+    torch.manual_seed(args.seed)
+    model = ddp_train.build_model(args)
+    x, y = train_set.tensors
+    with torch.no_grad():
+        expected = F.cross_entropy(model(x), y).item()
+    assert r.metrics[0]["train_loss"] == pytest.approx(expected, rel=1e-6)
+    assert r.metrics[0]["train_samples"] == len(train_set)
+
+
+# ---------------------------------------------------------------------------
+# Evaluation counts each sample once
+# ---------------------------------------------------------------------------
+
+
+def test_eval_counts_each_sample_once_with_uneven_split(tmp_path):
+    # 301 eval samples over 3 ranks: DistributedSampler pads to 303; the padding must not count.
+    r = run(torchrun_cmd(3, *SMALL), tmp_path)
+    final = r.metrics[-1]
+    assert final["eval_samples"] == 301
+    # The accuracy equals one process evaluating the saved model over the whole eval set.
+    args = default_args(*SMALL)
+    _, eval_set = ddp_train.build_datasets(args)
+    model = ddp_train.build_model(args)
+    model.load_state_dict(r.weights)
+    x, y = eval_set.tensors
+    with torch.no_grad():
+        logits = model(x)
+    assert final["eval_accuracy"] == pytest.approx((logits.argmax(1) == y).sum().item() / 301, abs=1e-12)
+    assert final["eval_loss"] == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# It learns, and it says so clearly
+# ---------------------------------------------------------------------------
+
+
+def test_default_run_learns(tmp_path):
+    r = run(python_cmd(), tmp_path)
+    assert r.metrics[-1]["eval_accuracy"] > 0.9  # chance is 0.1
+    assert r.metrics[-1]["train_loss"] < r.metrics[0]["train_loss"]
+    for key in ("epoch", "train_loss", "eval_loss", "eval_accuracy", "eval_samples", "train_samples",
+                "samples_per_sec", "world_size", "effective_batch_size"):
+        assert key in r.metrics[0]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--epochs", "abc"], "--epochs: expected an integer"),
+    (["--batch-size", "0"], "--batch-size: must be at least 1"),
+    (["--amp", "fp8"], "--amp: invalid choice"),
+    (["--lr", "nan"], "--lr: must be at least 0"),
+    (["--no-such-flag"], "unrecognized arguments"),
+    (["--resume", "missing.pt"], "--resume missing.pt: no such file"),
+    (["--timeout", "0"], "--timeout: must be greater than 0"),
+    pytest.param(["--backend", "nccl"], "--backend nccl needs CUDA",
+                 marks=pytest.mark.skipif(HAS_CUDA, reason="CUDA is present: nccl works")),
+])
+def test_bad_input_exits_with_one_clear_line(tmp_path, argv, says):
+    r = run(python_cmd(*SMALL, *argv), tmp_path, expect=2)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddp_train.py: error:") and says in lines[0], r
+    assert "Traceback" not in r.stderr
+
+
+def test_sync_bn_on_cpu_says_it_needs_cuda(tmp_path):
+    if HAS_CUDA:
+        pytest.skip("CUDA is present: SyncBatchNorm works")
+    r = run(torchrun_cmd(2, *SMALL, "--batch-norm", "--sync-bn"), tmp_path, expect=None)
+    assert r.returncode != 0
+    assert r.stderr.count("ddp_train.py: error: --sync-bn needs CUDA") == 1, r
+
+
+def test_first_slurm_host_expands_node_lists():
+    assert ddp_train.first_slurm_host("gpu[07-09,12],cpu1") == "gpu07"
+    assert ddp_train.first_slurm_host("node3,node4") == "node3"
+    assert ddp_train.first_slurm_host("a-b[1,3]") == "a-b1"
+
+
+# ---------------------------------------------------------------------------
+# GPU: skipped cleanly where there is no CUDA
+# ---------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_local_rank_beyond_visible_gpus_is_one_clear_line(tmp_path):
+    env = clean_env(RANK=0, WORLD_SIZE=1, LOCAL_RANK=torch.cuda.device_count(), MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    r = run(python_cmd(*SMALL), tmp_path, env=env, expect=2)
+    assert "CUDA_VISIBLE_DEVICES" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("extra", [["--amp", "bf16"], ["--compile"], ["--amp", "fp16"]])
+def test_gpu_single_process_precisions_and_compile(tmp_path, extra):
+    r = run(python_cmd(*SMALL, "--epochs", "3", *extra), tmp_path)
+    assert "cuda:0" in r.stdout and r.metrics[-1]["eval_accuracy"] > 0.5
+    ddp_train.build_model(default_args()).load_state_dict(r.weights)
+
+
+@gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_two_gpus_match_single_gpu_global_batch(tmp_path):
+    two = run(torchrun_cmd(2, *SMALL), tmp_path, out="two")
+    assert "nccl" in two.stdout
+    one = run(python_cmd(*SMALL, "--batch-size", 64), tmp_path, out="one")
+    for k, v in two.weights.items():
+        assert torch.allclose(v, one.weights[k], rtol=1e-3, atol=1e-4)  # TF32 and reduction order
