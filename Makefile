@@ -1,0 +1,57 @@
+# make train / make test set up what they need first (a virtual environment in .venv).
+# Extra arguments for ddp_train.py: make train ARGS="--epochs 5 --lr 3e-3"
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+ARGS   ?=
+# Pinned: a fresh machine gets the CPU wheel, never the newest CUDA build. A torch that the
+# system python already imports is reused (the venv sees system site-packages), never reinstalled.
+TORCH_PIN := torch==2.13.0
+NUMPY_PIN := numpy==2.4.6
+PYTEST_PIN := pytest==9.0.3
+# Multi-node settings, passed to run_multi_node.sh (see its header).
+NNODES ?= 2
+NODE_RANK ?= 0
+MASTER_ADDR ?= 127.0.0.1
+MASTER_PORT ?= 29500
+NPROC_PER_NODE ?=
+
+.PHONY: setup train train-cpu train-2gpu train-4gpu train-multinode test bench clean
+
+setup: $(VENV)/.ready
+
+$(VENV)/.ready:
+	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN)
+	@$(PY) -c "import numpy" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check $(NUMPY_PIN)
+	@$(PY) -c "import pytest" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check $(PYTEST_PIN)
+	@$(PY) -c "import torch; print('torch', torch.__version__, 'ready in $(VENV)')"
+	@touch $@
+
+train: setup  ## one process: the CPU or one GPU
+	PYTHON=$(PY) ./run_single.sh $(ARGS)
+
+train-cpu: setup  ## two CPU processes with torchrun and gloo, even on a GPU machine
+	CUDA_VISIBLE_DEVICES= $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 ddp_train.py --backend gloo $(ARGS)
+
+# A GPU target on a machine with too few GPUs stops with one line.
+gpus = $(shell $(PY) -c "import torch; print(torch.cuda.device_count())")
+need_gpus = $(if $(filter-out 0,$(shell test $(gpus) -ge $(1); echo $$?)),$(error $@ needs $(1) GPUs; this machine has $(gpus)))
+
+train-2gpu: setup
+	$(call need_gpus,2)
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=2 ddp_train.py $(ARGS)
+
+train-4gpu: setup
+	$(call need_gpus,4)
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=4 ddp_train.py $(ARGS)
+
+train-multinode: setup  ## make train-multinode NODE_RANK=1 MASTER_ADDR=10.0.0.1 (on every node)
+	PYTHON=$(PY) NNODES=$(NNODES) NODE_RANK=$(NODE_RANK) MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT) \
+	  NPROC_PER_NODE=$(NPROC_PER_NODE) ./run_multi_node.sh $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q test_ddp_train.py
+
+clean:
+	rm -rf out .pytest_cache __pycache__
