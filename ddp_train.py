@@ -200,6 +200,20 @@ def _set_threads(local_world_size: int) -> None:
         torch.set_num_threads(max(1, cores // max(1, local_world_size)))
 
 
+def restart_safe_store(args, world: int, timeout: datetime.timedelta):
+    """torchrun's agent keeps one TCPStore for the whole job, and the keys its workers write carry
+    no restart number: after `--max-restarts` restarts the new workers can read the dead ones'
+    addresses and fail to connect (pytorch/pytorch#135712). Give every restart its own namespace.
+    TORCHELASTIC_RESTART_COUNT agrees across the workers of one node; across nodes, launch torchrun
+    with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (run_multi_node.sh does), which gives each restart a
+    fresh store and skips this."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or args.init_method != "env://":
+        return None
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"ddp_train/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_distributed(args) -> DistContext:
     """Detect the launcher, pick the device, and join the process group (if there is one)."""
     launcher, rank, world, local_rank, local_world = _launch_env(args)
@@ -225,13 +239,16 @@ def init_distributed(args) -> DistContext:
         return ctx  # one process: no process group at all, and every collective below is skipped
 
     # DDP: join the process group. The timeout turns a missing peer into an error, not a hang.
+    timeout = datetime.timedelta(seconds=args.timeout)
+    store = restart_safe_store(args, world, timeout)
     try:
         dist.init_process_group(
             backend=backend,
-            init_method=args.init_method,
+            init_method=None if store else args.init_method,
+            store=store,
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=args.timeout),
+            timeout=timeout,
             device_id=ctx.device if ctx.device.type == "cuda" else None,
         )
     except Exception as exc:  # name what was tried; the launcher has already printed the rest
@@ -409,13 +426,19 @@ def load_checkpoint(args, ctx: DistContext) -> tuple[dict, str] | None:
             if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
                 raise ValueError("not a ddp_train.py checkpoint")
         except Exception as exc:
-            problems.append(f"{path} is unreadable ({str(exc).strip().splitlines()[0][:120] or type(exc).__name__})")
+            reason = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+            problems.append((path, f"{path} is unreadable ({reason})"))
             continue
         if problems and ctx.is_main:
-            print(f"{PROG}: warning: {problems[-1]}; falling back to {path}", file=sys.stderr, flush=True)
+            # Set the unreadable file aside (kept for a post-mortem), or the next save would
+            # rotate it over this good one.
+            for bad, problem in problems:
+                print(f"{PROG}: warning: {problem}; resuming from {path} instead; "
+                      f"the unreadable file is now {bad}.unreadable", file=sys.stderr, flush=True)
+                os.replace(bad, f"{bad}.unreadable")
         return ckpt, path
     if problems:  # never start fresh over a checkpoint we could not read
-        fail("; ".join(problems) + ". Move it away or pass --resume never to start over", ctx=ctx)
+        fail("; ".join(p for _, p in problems) + "; move it away, or pass --resume never to start over", ctx=ctx)
     return None
 
 
