@@ -477,6 +477,21 @@ def test_single_process_stop_signal_exits_75_and_rerun_is_bit_identical(tmp_path
     assert_same_weights(again.weights, uninterrupted("python").weights, exact=True)
 
 
+def test_four_ranks_stop_and_resume_bit_identical(tmp_path):
+    # Beyond two ranks the all-reduce's rounding depends on DDP's bucket state: still bit-identical.
+    four = ["--num-samples", "4096", "--eval-samples", "64", "--epochs", "1", "--batch-size", "16",
+            "--save-every", "10", "--spawn", "4"]
+    reference = run(python_cmd(*four), tmp_path, out="reference")
+    out = tmp_path / "out"
+    with Launch(python_cmd(*four, "--out-dir", out), tmp_path, "stopped") as launch:
+        wait_for_checkpoint(launch, out)
+        launch.proc.send_signal(signal.SIGTERM)
+        assert launch.wait() == 75, launch.stderr
+    again = run(python_cmd(*four), tmp_path)
+    assert resumed_at(again.stdout)[0] > 0
+    assert_same_weights(again.weights, reference.weights, exact=True)
+
+
 def test_truncated_checkpoint_falls_back_to_previous_one(tmp_path, uninterrupted):
     first = run(python_cmd(*FT), tmp_path)
     ckpt, prev = first.out_dir / "checkpoint.pt", first.out_dir / "checkpoint.prev.pt"
