@@ -765,9 +765,18 @@ def run(args) -> int:
         # The traceback keeps train()'s frame, and with it the DDP model, alive: drop those
         # locals so teardown below can release the model before the process group.
         traceback.clear_frames(exc.__traceback__)
+        if ctx.distributed and lost_a_peer(exc):  # say what happened, not where we were waiting
+            reason = str(exc).strip().splitlines()[0]
+            fail(f"rank {ctx.rank} lost contact with another process (it crashed, was killed, or its node left "
+                 f"the network); rerun to resume from the last checkpoint. The error: {reason}", code=1)
         raise
     finally:
         cleanup_distributed(ctx)
+
+
+def lost_a_peer(exc: BaseException) -> bool:
+    """A collective failed because another rank is gone (gloo reports it as a RuntimeError)."""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
 
 
 def _spawn_worker(local_rank: int, args) -> None:

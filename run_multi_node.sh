@@ -87,24 +87,110 @@ for v in NNODES NODE_RANK MASTER_PORT NPROC_PER_NODE TIMEOUT MAX_RESTARTS; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a whole number, got '${!v}'"
 done
 (( NODE_RANK < NNODES )) || die "NODE_RANK $NODE_RANK is not below NNODES $NNODES"
+(( NNODES == 1 )) || [[ -n "$master_addr_given" ]] || die "NNODES is $NNODES: set MASTER_ADDR to node 0's address (the same on every node)"
 if [[ -n "${IFNAME:-}" ]]; then
   # The interface that carries traffic between nodes (see `ip -brief addr`): without it gloo and
   # NCCL may pick one that other nodes cannot reach (docker0, a VPN) and hang at init.
   export GLOO_SOCKET_IFNAME=$IFNAME NCCL_SOCKET_IFNAME=$IFNAME
 fi
+# After a failure with --max-restarts, torchrun's agents start a new round; by default they reuse
+# one TCPStore whose stale keys can misdirect the new workers (pytorch/pytorch#135712). A fresh
+# store per round, hosted by the new rank 0, keeps a surviving node and a restarted one in step.
+[[ "$NNODES" -gt 1 && "$RDZV" == c10d ]] && export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 # Forward SLURM's --signal=USR1 to the workers too, as torchrun does for SIGTERM.
 export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 
+# Preflight, so the common mistakes get one clear line instead of a hang or a traceback.
+# The machine that owns MASTER_ADDR hosts the rendezvous, and its port must be free; every other
+# node waits (up to TIMEOUT) until it can connect to MASTER_ADDR:MASTER_PORT. Either way we learn
+# this node's address as the others see it, and tell torchrun (no reliance on hostname lookups).
+role= local_addr=
+if [[ -n "$master_addr_given" ]]; then
+  verdict=$("$PYTHON" - "$MASTER_ADDR" "$MASTER_PORT" "$TIMEOUT" <<'PY'
+import errno, socket, sys, time
+host, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+try:
+    addr = socket.gethostbyname(host)
+except OSError:
+    sys.exit(print(f"MASTER_ADDR {host} does not resolve to an address"))
+with socket.socket() as s:
+    try:
+        s.bind((addr, port))
+        sys.exit(print("host", addr))  # this machine owns MASTER_ADDR and the port is free
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            sys.exit(print(f"port {port} on {host} is already in use (another job, or an earlier run still "
+                           "alive): choose another MASTER_PORT"))
+deadline = time.monotonic() + timeout
+while True:
+    try:
+        with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))) as c:
+            sys.exit(print("client", c.getsockname()[0]))
+    except OSError:
+        if time.monotonic() >= deadline:
+            sys.exit(print(f"cannot reach MASTER_ADDR {host} ({addr}) port {port} within {timeout:g}s: is node 0 "
+                           "started, is this its address as the other nodes see it, is the port open?"))
+        time.sleep(0.2)
+PY
+)
+  read -r role local_addr <<<"$verdict"
+  case "$role" in
+    host) [[ "$RDZV" != static || "$NODE_RANK" == 0 ]] ||
+            die "NODE_RANK is $NODE_RANK, but this machine owns MASTER_ADDR $MASTER_ADDR: node 0 must run here" ;;
+    client) [[ "$RDZV" != static || "$NODE_RANK" != 0 ]] ||
+            die "NODE_RANK is 0, but MASTER_ADDR $MASTER_ADDR is another machine: run node 0 on the machine at MASTER_ADDR" ;;
+    *) die "$verdict" ;;
+  esac
+  # gloo advertises the address this machine's hostname resolves to. If that is a loopback address,
+  # the other nodes would dial themselves: the interface must be named.
+  if (( NNODES > 1 )) && [[ -z "${GLOO_SOCKET_IFNAME:-}" ]] &&
+     "$PYTHON" -c 'import socket, sys; sys.exit(not socket.gethostbyname(socket.gethostname()).startswith("127."))'; then
+    dev=$(ip -o -4 addr show 2>/dev/null | awk -v a="$local_addr" 'index($4, a "/") == 1 {print $2}')
+    die "this machine's hostname ($(hostname)) resolves to a loopback address, which other nodes cannot reach: set IFNAME=${dev:-<interface>} (the interface with $local_addr)"
+  fi
+fi
+
 launch=(--nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS")
+[[ -n "$local_addr" ]] && launch+=(--local-addr="$local_addr")
 if [[ "$NNODES" == 1 && -z "$master_addr_given" ]]; then
   launch+=(--standalone)  # one node: a free port, so two runs on one machine never collide
 elif [[ "$RDZV" == c10d ]]; then
   launch+=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RDZV_ID"
-           --rdzv-conf="join_timeout=$TIMEOUT")
+           --rdzv-conf="join_timeout=$TIMEOUT,read_timeout=$TIMEOUT,is_host=$([[ $role == host ]] && echo 1 || echo 0)")
 elif [[ "$RDZV" == static ]]; then
   launch+=(--node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT"
            --rdzv-conf="timeout=$TIMEOUT")
 else
   die "--rdzv must be c10d or static, got '$RDZV'"
 fi
-exec "$PYTHON" -m torch.distributed.run "${launch[@]}" "$here/ddp_train.py" --timeout "$TIMEOUT" "${train_args[@]}"
+
+# Run torchrun in the background so that stop signals reach it (and, through it, the workers)
+# and a failure ends with one line saying what it most likely means.
+errlog=$(mktemp "${TMPDIR:-/tmp}/run_multi_node.XXXXXX")
+trap 'rm -f "$errlog"' EXIT
+"$PYTHON" -m torch.distributed.run "${launch[@]}" "$here/ddp_train.py" --timeout "$TIMEOUT" "${train_args[@]}" \
+  2> >(tee "$errlog" >&2) &
+pid=$!
+# A stop signal goes to torchrun, which passes it to the workers and gives them 30 s. A torchrun
+# blocked on a node that left the network cannot act on it: it gets SIGKILL 45 s later.
+signalled= kill_at=
+for sig in TERM INT HUP USR1; do trap "signalled=$sig kill_at=\$((SECONDS + 45)); kill -$sig $pid 2>/dev/null" "$sig"; done
+while kill -0 "$pid" 2>/dev/null; do
+  if [[ -n "$kill_at" ]] && (( SECONDS >= kill_at )); then kill -KILL "$pid" 2>/dev/null; fi
+  sleep 0.2 & wait $! 2>/dev/null || true
+done
+code=0; wait "$pid" || code=$?
+wait 2>/dev/null || true  # let tee finish writing the log
+if (( code != 0 )) && [[ -z "$signalled" ]]; then
+  if grep -q "RendezvousTimeoutError" "$errlog"; then
+    why="not all $NNODES nodes joined within ${TIMEOUT}s: start the same command on every node (same NNODES, MASTER_ADDR, MASTER_PORT, RDZV_ID)"
+  elif grep -qE "RendezvousConnectionError|DistNetworkError|trying to connect to" "$errlog" && ! grep -q "ddp_train.py: " "$errlog"; then
+    why="could not connect to the rendezvous at $MASTER_ADDR:$MASTER_PORT (see above)"
+  elif grep -qE "lost contact with|Connection closed by peer|Connection reset by peer|Timed out waiting" "$errlog"; then
+    why="a worker on another node stopped (crashed, was killed, or left the network). Rerun the same command on every node to resume from the last checkpoint"
+  else
+    why="torchrun exited with code $code; the first error above is the cause"
+  fi
+  echo "run_multi_node.sh: $why" >&2
+fi
+exit "$code"

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -551,6 +552,216 @@ def test_resume_never_ignores_checkpoint_and_keeps_it_until_its_first_save(tmp_p
     r = run(python_cmd(*FT, "--resume", "never"), tmp_path)
     assert "resumed" not in r.stdout and [m["epoch"] for m in r.metrics] == [1, 2]
     assert_same_weights(r.weights, uninterrupted("python").weights, exact=True)
+
+
+# ---------------------------------------------------------------------------
+# Multi-node: two hosts with their own addresses, in network namespaces
+# ---------------------------------------------------------------------------
+
+RUN_MULTI = str(ROOT / "run_multi_node.sh")
+multinode = pytest.mark.multinode
+
+
+class Host:
+    """One "machine": a network namespace with its own address, interface, hostname and /etc/hosts."""
+
+    def __init__(self, ns, addr, ifname, hostname):
+        self.ns, self.addr, self.ifname, self.hostname = ns, addr, ifname, hostname
+
+    def command(self, *argv, hostname=None):
+        # `ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts; unshare gives a hostname of its own.
+        return ["ip", "netns", "exec", self.ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
+                hostname or self.hostname, *map(str, argv)]
+
+    def kill_all(self):
+        pids = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def sh(*argv):
+    subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """Two hosts on this machine, joined by a veth pair: traffic stays between them. Deleted
+    afterwards, also when a test fails. Skips where namespaces cannot be made (not root)."""
+    if os.geteuid() != 0 or not all(map(shutil.which, ("ip", "unshare"))):
+        pytest.skip("two hosts need root, iproute2 and unshare (network and UTS namespaces)")
+    tag = f"{os.getpid() % 100000}{random.randrange(100)}"
+    subnet = f"10.231.{random.randrange(1, 255)}"
+    hosts = [Host(f"ddp{tag}n{i}", f"{subnet}.{i + 1}", f"vd{tag}n{i}", f"node{i}") for i in range(2)]
+    try:
+        for h in hosts:
+            sh("ip", "netns", "add", h.ns)
+            os.makedirs(f"/etc/netns/{h.ns}", exist_ok=True)
+            Path(f"/etc/netns/{h.ns}/hosts").write_text(
+                "127.0.0.1 localhost\n" + "".join(f"{x.addr} {x.hostname}\n" for x in hosts))
+        sh("ip", "link", "add", hosts[0].ifname, "type", "veth", "peer", "name", hosts[1].ifname)
+        for h in hosts:
+            sh("ip", "link", "set", h.ifname, "netns", h.ns)
+            sh("ip", "-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
+            sh("ip", "-n", h.ns, "link", "set", h.ifname, "up")
+            sh("ip", "-n", h.ns, "link", "set", "lo", "up")
+    except (subprocess.CalledProcessError, OSError) as exc:
+        remove_hosts(hosts)
+        pytest.skip(f"cannot create network namespaces here: {getattr(exc, 'stderr', None) or exc}")
+    try:
+        yield hosts
+    finally:
+        remove_hosts(hosts)
+
+
+def remove_hosts(hosts):
+    for h in hosts:
+        h.kill_all()
+        subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
+        shutil.rmtree(f"/etc/netns/{h.ns}", ignore_errors=True)
+
+
+def node_env(hosts, node_rank, port, **extra):
+    """run_multi_node.sh's settings for one of the two hosts; `extra` overrides them."""
+    settings = dict(PYTHON=PY, NNODES=2, NODE_RANK=node_rank, MASTER_ADDR=hosts[0].addr, MASTER_PORT=port,
+                    NPROC_PER_NODE=2, IFNAME=hosts[node_rank].ifname, TIMEOUT=30)
+    return clean_env(**{**settings, **extra})
+
+
+def start_nodes(hosts, tmp_path, args, port, name="node", hostname=None, **extra):
+    return [Launch(hosts[i].command(RUN_MULTI, *args, hostname=hostname), tmp_path, f"{name}{i}",
+                   env=node_env(hosts, i, port, **extra)) for i in range(2)]
+
+
+def finish(nodes, timeout=TIMEOUT):
+    try:
+        return [n.wait(timeout) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1] if text.strip() else ""
+
+
+@multinode
+@pytest.mark.parametrize("rdzv, hostname", [("c10d", None), ("static", None), ("c10d", "localhost")],
+                         ids=["c10d", "static", "c10d-hostnames-on-loopback"])
+def test_two_hosts_match_single_process_with_same_global_batch(two_hosts, tmp_path, rdzv, hostname):
+    # With IFNAME set, nothing depends on hostnames resolving to the hosts' own addresses.
+    out = tmp_path / "out"
+    nodes = start_nodes(two_hosts, tmp_path, [*SMALL, "--out-dir", out], free_port(), RDZV=rdzv, hostname=hostname)
+    assert finish(nodes) == [0, 0], nodes[0].stderr + nodes[1].stderr
+    r = Result(nodes[0], out)
+    assert "torchrun, world size 4 (2/node)" in r.stdout, r
+    assert [m["world_size"] for m in r.metrics] == [4, 4] and r.metrics[-1]["effective_batch_size"] == 128
+    one = run(python_cmd(*SMALL, "--batch-size", 128), tmp_path, out="one")
+    assert_same_weights(r.weights, one.weights)
+
+
+@multinode
+def test_two_hosts_slurm_mode_takes_master_from_nodelist(two_hosts, tmp_path):
+    # What sbatch + `srun ./run_multi_node.sh --slurm` gives each node: no MASTER_ADDR at all.
+    out = tmp_path / "out"
+    nodes = []
+    for i, h in enumerate(two_hosts):
+        # MASTER_PORT stays at its default (29500): each namespace has ports of its own.
+        env = clean_env(PYTHON=PY, SLURM_JOB_ID=4242, SLURM_NODEID=i, SLURM_JOB_NUM_NODES=2, SLURM_PROCID=i,
+                        SLURM_JOB_NODELIST="node[0-1]", NPROC_PER_NODE=2, IFNAME=h.ifname, TIMEOUT=30)
+        nodes.append(Launch(h.command(RUN_MULTI, "--slurm", "--", *SMALL, "--out-dir", out), tmp_path, f"slurm{i}", env=env))
+    assert finish(nodes) == [0, 0], nodes[0].stderr + nodes[1].stderr
+    assert "world size 4 (2/node)" in nodes[0].stdout and (out / "model.pt").exists()
+
+
+@multinode
+def test_unreachable_master_is_one_line_within_timeout(two_hosts, tmp_path):
+    env = node_env(two_hosts, 1, free_port(), TIMEOUT=5, MASTER_ADDR=two_hosts[0].addr.rsplit(".", 1)[0] + ".99")
+    t0 = time.monotonic()
+    with Launch(two_hosts[1].command(RUN_MULTI, *SMALL, "--out-dir", tmp_path / "out"), tmp_path, env=env) as node:
+        code = node.wait(60)
+    assert code != 0 and time.monotonic() - t0 < 25
+    assert "cannot reach MASTER_ADDR" in last_line(node.stderr) and "Traceback" not in node.stderr, node.stderr
+
+
+@multinode
+def test_second_node_never_arriving_is_one_line_within_timeout(two_hosts, tmp_path):
+    env = node_env(two_hosts, 0, free_port(), TIMEOUT=5)
+    t0 = time.monotonic()
+    with Launch(two_hosts[0].command(RUN_MULTI, *SMALL, "--out-dir", tmp_path / "out"), tmp_path, env=env) as node:
+        code = node.wait(60)
+    assert code != 0 and time.monotonic() - t0 < 30
+    assert "not all 2 nodes joined within 5s" in last_line(node.stderr), node.stderr
+
+
+@multinode
+def test_taken_master_port_is_one_line(two_hosts, tmp_path):
+    port = free_port()
+    holder = [PY, "-c", f"import socket,time; s=socket.socket(); s.bind(({two_hosts[0].addr!r}, {port})); s.listen(); "
+                        "print('listening', flush=True); time.sleep(60)"]
+    with Launch(two_hosts[0].command(*holder), tmp_path, "holder") as listener:
+        listener.wait_for(lambda: "listening" in listener.stdout, "the port to be taken")
+        with Launch(two_hosts[0].command(RUN_MULTI, *SMALL), tmp_path, env=node_env(two_hosts, 0, port)) as node:
+            code = node.wait(60)
+    assert code == 2 and f"port {port} on {two_hosts[0].addr} is already in use" in last_line(node.stderr), node.stderr
+
+
+@multinode
+def test_hostname_on_loopback_without_interface_is_one_line(two_hosts, tmp_path):
+    # The classic multi-NIC trap: the hostname resolves to 127.0.x.x, so gloo would advertise it.
+    env = node_env(two_hosts, 0, free_port(), IFNAME="")
+    with Launch(two_hosts[0].command(RUN_MULTI, *SMALL, hostname="localhost"), tmp_path, env=env) as node:
+        code = node.wait(60)
+    assert code == 2 and f"set IFNAME={two_hosts[0].ifname}" in last_line(node.stderr), node.stderr
+
+
+@multinode
+@pytest.mark.parametrize("how", ["killed", "left the network"])
+def test_surviving_node_exits_with_a_message_when_the_other_dies(two_hosts, tmp_path, how):
+    out = tmp_path / "out"
+    long_run = ["--num-samples", "400000", "--eval-samples", "64", "--epochs", "1", "--save-every", "20"]
+    nodes = start_nodes(two_hosts, tmp_path, [*long_run, "--out-dir", out], free_port(), TIMEOUT=10)
+    try:
+        nodes[0].wait_for(lambda: (out / "checkpoint.pt").exists(), "training to run")
+        t0 = time.monotonic()
+        if how == "killed":
+            two_hosts[1].kill_all()
+        else:  # no RST, no FIN: the other node simply stops answering
+            sh("ip", "-n", two_hosts[1].ns, "link", "set", two_hosts[1].ifname, "down")
+        code = nodes[0].wait(90)
+        elapsed = time.monotonic() - t0
+    finally:
+        subprocess.run(["ip", "-n", two_hosts[1].ns, "link", "set", two_hosts[1].ifname, "up"], capture_output=True)
+        for n in nodes:
+            n.kill()
+    assert code != 0 and elapsed < 60, (code, elapsed)
+    err = nodes[0].stderr
+    assert "lost contact with another process" in err and "a worker on another node stopped" in last_line(err), err
+
+
+@multinode
+def test_restarted_node_rejoins_and_run_ends_bit_identical(two_hosts, tmp_path):
+    args = ["--num-samples", "8192", "--eval-samples", "64", "--epochs", "2", "--batch-size", "16", "--save-every", "20"]
+    reference = start_nodes(two_hosts, tmp_path, [*args, "--out-dir", tmp_path / "reference"], free_port(), name="ref")
+    assert finish(reference) == [0, 0], reference[0].stderr
+    out, port = tmp_path / "out", free_port()
+    nodes = start_nodes(two_hosts, tmp_path, [*args, "--out-dir", out], port, MAX_RESTARTS=1)
+    try:
+        nodes[0].wait_for(lambda: (out / "checkpoint.pt").exists(), "a first checkpoint")
+        nodes[1].kill()  # node 1 dies; node 0's torchrun restarts its workers and waits for it
+        two_hosts[1].kill_all()
+        again = Launch(two_hosts[1].command(RUN_MULTI, *args, "--out-dir", out), tmp_path, "node1-again",
+                       env=node_env(two_hosts, 1, port, MAX_RESTARTS=1))
+        codes = finish([nodes[0], again])
+    finally:
+        for n in nodes:
+            n.kill()
+    assert codes == [0, 0], nodes[0].stderr + again.stderr
+    assert "resumed from" in nodes[0].stdout
+    assert_same_weights(torch.load(out / "model.pt", weights_only=True),
+                        torch.load(tmp_path / "reference" / "model.pt", weights_only=True), exact=True)
 
 
 # ---------------------------------------------------------------------------
