@@ -53,5 +53,8 @@ train-multinode: setup  ## make train-multinode NODE_RANK=1 MASTER_ADDR=10.0.0.1
 test: setup
 	$(PY) -m pytest -q test_ddp_train.py
 
+bench: setup  ## side-by-side throughput, start-up and memory; make bench ARGS=--quick for a fast check
+	$(PY) bench_ddp_train.py $(ARGS)
+
 clean:
 	rm -rf out .pytest_cache __pycache__

@@ -30,6 +30,7 @@ import math
 import os
 import random
 import re
+import resource
 import signal
 import socket
 import sys
@@ -120,6 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
     g.add_argument("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm (statistics over the global batch; needs CUDA)")
     g.add_argument("--batch-norm", action="store_true", help="give the default model BatchNorm layers")
+    g.add_argument("--peak-tflops", type=_float_at_least(0.0, strict=True), default=None,
+                   help="peak TFLOP/s of one GPU for the MFU figure (default: looked up from the GPU's name)")
     g.add_argument("--workers", type=int, default=-1, help="DataLoader workers per process for datasets that are not in-memory tensors (-1: 0 on CPU, a few on CUDA)")
 
     g = p.add_argument_group("data")
@@ -137,6 +140,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--init-method", default="env://", help="rendezvous: env:// (MASTER_ADDR/MASTER_PORT), tcp://HOST:PORT or file:///shared/path")
     g.add_argument("--timeout", type=_float_at_least(0.0, strict=True), default=300.0, help="seconds to wait for peers at init and in any collective before failing")
     g.add_argument("--spawn", type=nonneg, default=0, help="start N local processes with torch.multiprocessing (no launcher needed)")
+    g.add_argument("--grad-compression", choices=("none", "bf16"), default="none",
+                   help="all-reduce gradients in bfloat16: half the bytes on the wire, but it CHANGES THE NUMERICS "
+                        "(gradients keep 8 bits of mantissa); results no longer match one process exactly")
     # Legacy `python -m torch.distributed.launch` passes --local-rank=N (older torch: --local_rank N).
     g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None, help="set by torch.distributed.launch; do not pass it yourself")
     return p.parse_args(argv)
@@ -336,17 +342,55 @@ def build_model(args) -> nn.Module:
     )
 
 
+def flops_per_sample(model: nn.Module) -> float:
+    """Training FLOPs per sample, for the MFU figure: 6 per parameter (2 forward, 4 backward). Exact
+    for the matmuls of dense layers; replace it for convolutions or attention."""
+    return 6.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# Dense peak TFLOP/s of one GPU, (16-bit tensor cores, fp32), from the datasheets; first match wins.
+GPU_PEAK_TFLOPS = [("H100 PCIe", 756.0, 51.2), ("H100", 989.4, 66.9), ("H200", 989.4, 66.9), ("GH200", 989.4, 66.9),
+                   ("A100", 312.0, 19.5), ("L40S", 362.1, 91.6), ("L4", 121.0, 30.3), ("V100", 125.0, 15.7)]
+
+
+def gpu_peak_tflops(device_name: str, amp: str) -> float | None:
+    """Peak TFLOP/s of one GPU at the precision training runs in; None for a GPU not in the table."""
+    for key, half, single in GPU_PEAK_TFLOPS:
+        if key in device_name:
+            return half if amp != "off" else single
+    return None
+
+
 def wrap_model(model: nn.Module, args, ctx: DistContext) -> nn.Module:
     """DDP: wrap the model so backward() all-reduces (averages) gradients across ranks."""
     if not ctx.distributed:
         return model
     if args.sync_bn:  # before wrapping: DDP must see the SyncBatchNorm modules
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return DDP(
+    ddp_model = DDP(
         model,
         device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,  # None on CPU
         gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: one copy less
     )
+    if args.grad_compression == "bf16":
+        ddp_model.register_comm_hook(None, bf16_allreduce_hook)
+    return ddp_model
+
+
+def bf16_allreduce_hook(process_group, bucket):
+    """DDP communication hook: average the gradient bucket in bfloat16. torch's own bf16 hook needs
+    NCCL (and DDP checks it by that hook's name, hence another name); this one works on gloo too.
+    Opt-in: it changes the numerics."""
+    group = process_group or dist.group.WORLD
+    compressed = bucket.buffer().to(torch.bfloat16).div_(group.size())
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut):
+        buffer = bucket.buffer()
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(decompress)
 
 
 def warm_up_ddp(ddp_model: nn.Module, train_set: Dataset, args, ctx: DistContext) -> None:
@@ -620,7 +664,11 @@ def train(args, ctx: DistContext) -> int:
     log(f"global batch {global_batch} = {args.batch_size}/process x {ctx.world_size} x {args.grad_accum} accum, "
         f"lr {lr:g}, {len(train_set):,} train / {len(eval_set):,} eval samples, {steps_per_epoch} steps/epoch")
 
-    start, stopped = time.perf_counter(), False
+    start, stopped, first_step_at = time.perf_counter(), False, None
+    peak_flops = None
+    if ctx.device.type == "cuda":
+        per_gpu = args.peak_tflops or gpu_peak_tflops(torch.cuda.get_device_name(ctx.device), args.amp)
+        peak_flops = per_gpu * 1e12 * ctx.world_size if per_gpu else None
     while progress.epoch < args.epochs and not stopped:
         sampler.set_epoch(progress.epoch)  # trap: without it every epoch reuses the same shuffle
         indices = list(sampler)
@@ -653,6 +701,10 @@ def train(args, ctx: DistContext) -> int:
             scheduler.step()
             progress.step += 1
             progress.step_in_epoch += 1
+            if first_step_at is None:  # start-up cost, once: when the first step has really finished
+                if ctx.device.type == "cuda":
+                    torch.cuda.synchronize(ctx.device)
+                first_step_at = time.time()
 
             log_now = args.log_every and progress.step % args.log_every == 0
             save_now = args.save_every and progress.step % args.save_every == 0
@@ -677,10 +729,13 @@ def train(args, ctx: DistContext) -> int:
                   "eval_loss": None, "eval_accuracy": None, "eval_samples": 0}
         if len(eval_set):
             record["eval_loss"], record["eval_accuracy"], record["eval_samples"] = evaluate(model, eval_set, args, ctx)
+        if peak_flops:  # model FLOPs utilisation: achieved training FLOP/s over all GPUs' peak
+            record["mfu"] = (progress.samples - samples_before) / train_time * flops_per_sample(model) / peak_flops
         record.update(
             train_samples=progress.samples, samples_per_sec=(progress.samples - samples_before) / train_time,
             world_size=ctx.world_size, effective_batch_size=global_batch, step=progress.step,
-            lr=scheduler.get_last_lr()[0], epoch_time_s=train_time,
+            lr=scheduler.get_last_lr()[0], epoch_time_s=train_time, first_step_at=first_step_at,
+            **memory_stats(ctx),
         )
         progress = Progress(epoch=progress.epoch + 1, step=progress.step)
         log_epoch(record, args, metrics_path, ctx)
@@ -740,13 +795,22 @@ def agree_on_resume_point(progress: Progress, ctx: DistContext) -> None:
              "every node must see the same --out-dir (shared storage)", ctx=ctx)
 
 
+def memory_stats(ctx: DistContext) -> dict:
+    """This process's peak memory: resident host memory, and GPU memory where there is one."""
+    stats = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+    if ctx.device.type == "cuda":
+        stats["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
+    return stats
+
+
 def log_epoch(record: dict, args, metrics_path: str, ctx: DistContext) -> None:
     if not ctx.is_main:
         return
     ev = "" if record["eval_loss"] is None else (
         f"  eval_loss {record['eval_loss']:.4f}  eval_acc {100 * record['eval_accuracy']:6.2f}%")
+    mfu = f"  MFU {100 * record['mfu']:5.2f}%" if "mfu" in record else ""
     print(f"epoch {record['epoch']:>3}/{args.epochs}  train_loss {record['train_loss']:.4f}{ev}  "
-          f"{record['samples_per_sec']:>9,.0f} samples/s  {record['epoch_time_s']:6.2f} s", flush=True)
+          f"{record['samples_per_sec']:>9,.0f} samples/s{mfu}  {record['epoch_time_s']:6.2f} s", flush=True)
     with open(metrics_path, "a") as f:
         f.write(json.dumps(record) + "\n")
 

@@ -175,6 +175,9 @@ def assert_only_rank0_files(out_dir: Path):
 # ---------------------------------------------------------------------------
 
 
+CORES = len(os.sched_getaffinity(0))
+
+
 def check_completed_run(r: Result, world_size: int, launcher: str):
     assert f"{launcher}, world size {world_size}" in r.stdout, r
     assert r.stdout.count("saved ") == 1, r  # rank 0 alone speaks and saves
@@ -185,7 +188,9 @@ def check_completed_run(r: Result, world_size: int, launcher: str):
 
 
 def test_plain_python_runs_one_process_without_process_group(tmp_path):
-    check_completed_run(run(python_cmd(*SMALL), tmp_path), 1, "python")
+    r = run(python_cmd(*SMALL), tmp_path)
+    check_completed_run(r, 1, "python")
+    assert f"no process group, cpu, {CORES} thread(s)/process" in r.stdout  # all cores for one process
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -194,7 +199,14 @@ def test_torchrun_single_node(tmp_path, nproc):
 
 
 def test_spawn_starts_local_processes_itself(tmp_path):
-    check_completed_run(run(python_cmd(*SMALL, "--spawn", 2), tmp_path), 2, "spawn")
+    r = run(python_cmd(*SMALL, "--spawn", 2), tmp_path)
+    check_completed_run(r, 2, "spawn")
+    assert f"{max(1, CORES // 2)} thread(s)/process" in r.stdout  # the cores shared between the processes
+
+
+def test_user_thread_setting_is_respected(tmp_path):
+    r = run(python_cmd(*SMALL), tmp_path, env=clean_env(OMP_NUM_THREADS=1))
+    assert "1 thread(s)/process" in r.stdout
 
 
 def test_legacy_distributed_launch_passes_local_rank_argument(tmp_path):
@@ -348,7 +360,7 @@ def test_default_run_learns(tmp_path):
     assert r.metrics[-1]["eval_accuracy"] > 0.9  # chance is 0.1
     assert r.metrics[-1]["train_loss"] < r.metrics[0]["train_loss"]
     for key in ("epoch", "train_loss", "eval_loss", "eval_accuracy", "eval_samples", "train_samples",
-                "samples_per_sec", "world_size", "effective_batch_size"):
+                "samples_per_sec", "world_size", "effective_batch_size", "first_step_at", "peak_rss_mb"):
         assert key in r.metrics[0]
 
 
@@ -765,6 +777,62 @@ def test_restarted_node_rejoins_and_run_ends_bit_identical(two_hosts, tmp_path):
 
 
 # ---------------------------------------------------------------------------
+# Performance machinery (speed itself is measured by bench_ddp_train.py, never asserted here)
+# ---------------------------------------------------------------------------
+
+
+def test_dataloader_path_yields_the_same_batches_as_the_in_memory_path():
+    # Any Dataset that is not a TensorDataset goes through a DataLoader; same samples, same order.
+    class Wrapped(torch.utils.data.Dataset):
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __len__(self):
+            return len(self.inner)
+
+        def __getitem__(self, i):
+            return self.inner[i]
+
+    train_set, _ = ddp_train.build_datasets(default_args("--num-samples", "100"))
+    indices = torch.randperm(100).tolist()
+    ctx = ddp_train.DistContext()
+    fast = list(ddp_train.batches(train_set, indices, 32, ctx))
+    slow = list(ddp_train.batches(Wrapped(train_set), indices, 32, ctx, workers=0))
+    assert [len(b[0]) for b in fast] == [32, 32, 32, 4]
+    assert all(torch.equal(a, b) for fa, sl in zip(fast, slow) for a, b in zip(fa, sl)) and len(fast) == len(slow)
+
+
+def test_bf16_gradient_compression_is_opt_in_and_changes_numerics(tmp_path):
+    exact = run(torchrun_cmd(2, *SMALL), tmp_path, out="exact")
+    bf16 = run(torchrun_cmd(2, *SMALL, "--grad-compression", "bf16"), tmp_path, out="bf16")
+    one = run(python_cmd(*SMALL, "--batch-size", 64), tmp_path, out="one")
+    assert_same_weights(exact.weights, one.weights)  # the default stays exact
+    with pytest.raises(AssertionError):
+        assert_same_weights(bf16.weights, one.weights)
+    # ... but it is the same training, to bf16 rounding of the gradients (8 bits of mantissa).
+    for k, v in bf16.weights.items():
+        assert (v - one.weights[k]).norm() <= 1e-2 * one.weights[k].norm(), k
+    assert bf16.metrics[-1]["train_loss"] == pytest.approx(one.metrics[-1]["train_loss"], rel=1e-2)
+
+
+def test_gpu_peak_table_picks_the_precision_in_use():
+    assert ddp_train.gpu_peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert ddp_train.gpu_peak_tflops("NVIDIA H100 PCIe", "off") == 51.2
+    assert ddp_train.gpu_peak_tflops("NVIDIA L4", "bf16") == 121.0 and ddp_train.gpu_peak_tflops("NVIDIA L40S", "off") == 91.6
+    assert ddp_train.gpu_peak_tflops("Some Future GPU", "bf16") is None
+
+
+def test_benchmark_quick_runs_and_prints_its_table(tmp_path):
+    with Launch([PY, ROOT / "bench_ddp_train.py", "--quick"], tmp_path, "bench") as launch:
+        assert launch.wait(300) == 0, launch.stderr
+    out = launch.stdout
+    for label in ("ddp_train.py, 1 process", "ddp_train.py, torchrun 2x1", "hand-written loop, 1 process",
+                  "tutorial DDP, torchrun 2x1", "launch->first step", "peak RSS/process", "ratio (per round)"):
+        assert label in out, out
+    assert re.search(r"ddp_train.py, 1 process / hand-written loop, 1 process\s+[\d.]+x\s+>= 0.95", out), out
+
+
+# ---------------------------------------------------------------------------
 # GPU: skipped cleanly where there is no CUDA
 # ---------------------------------------------------------------------------
 
@@ -783,6 +851,9 @@ def test_local_rank_beyond_visible_gpus_is_one_clear_line(tmp_path):
 def test_gpu_single_process_precisions_and_compile(tmp_path, extra):
     r = run(python_cmd(*SMALL, "--epochs", "3", *extra), tmp_path)
     assert "cuda:0" in r.stdout and r.metrics[-1]["eval_accuracy"] > 0.5
+    assert r.metrics[-1]["peak_gpu_mem_mb"] > 0
+    if ddp_train.gpu_peak_tflops(torch.cuda.get_device_name(), "bf16"):
+        assert 0 < r.metrics[-1]["mfu"] < 1 and "MFU" in r.stdout
     ddp_train.build_model(default_args()).load_state_dict(r.weights)
 
 

@@ -1,0 +1,229 @@
+"""bench_ddp_train.py: does ddp_train.py's machinery cost speed? Measured side by side.
+
+One invocation runs, interleaved in rounds so that drift of the machine cancels out:
+
+  1. ddp_train.py, one process
+  2. ddp_train.py under torchrun, 2 processes x 1 thread
+  3. a minimal hand-written single-process loop (same model, data and batch size)
+  4. a minimal tutorial-style DDP loop under torchrun, 2 x 1: a DataLoader over a TensorDataset,
+     DistributedSampler, and loss.item() every step, as in the pytorch/examples DDP tutorials
+
+and reports steady-state training samples/s (the epochs after the first, training only), the time from
+launch to the first finished optimizer step, and peak memory per process, as the median and min-max over
+rounds; then the ratios, each taken within a round.
+
+    python bench_ddp_train.py             # 5 rounds on the default workload, about 2 minutes on 2 cores
+    python bench_ddp_train.py --quick     # 1 short round: checks that everything runs
+    python bench_ddp_train.py --device cuda   # on a GPU: 1 and 3 on the GPU, 2 and 4 need 2 GPUs
+
+The baselines (3, 4) are functions in this file; the bench runs itself with --baseline to start them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TARGETS = {"ddp_1": 0.95, "ddp_2": 1.15}  # from the project's performance issue
+
+
+# ---------------------------------------------------------------------------
+# The baselines. Same model, data and optimizer (AdamW, as a user would write it) as ddp_train.py.
+# ---------------------------------------------------------------------------
+
+
+def record(path, epoch, samples, seconds, first_step_at, device):
+    import torch
+
+    rec = {"epoch": epoch, "samples_per_sec": samples / seconds, "first_step_at": first_step_at,
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if device.type == "cuda":
+        rec["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def hand_written_loop(opts):
+    """The loop a user writes by hand: tensors in memory, shuffled once per epoch, sliced into batches."""
+    import torch
+    import torch.nn.functional as F
+
+    import ddp_train
+
+    args = ddp_train.parse_args(["--num-samples", str(opts.num_samples), "--seed", "0"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    train_set, _ = ddp_train.build_datasets(args)
+    x, y = (t.to(device) for t in train_set.tensors)
+    torch.manual_seed(0)
+    model = ddp_train.build_model(args).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    first_step_at = None
+    for epoch in range(opts.epochs):
+        t0 = time.perf_counter()
+        perm = torch.randperm(len(x), device=device)
+        for xb, yb in zip(x[perm].split(opts.batch_size), y[perm].split(opts.batch_size)):
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(xb), yb).backward()
+            optimizer.step()
+            if first_step_at is None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                first_step_at = time.time()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        record(opts.metrics, epoch + 1, len(x), time.perf_counter() - t0, first_step_at, device)
+
+
+def tutorial_ddp(opts):
+    """The tutorial DDP script: DataLoader over a TensorDataset, DistributedSampler, DDP, and the
+    per-step loss.item() it uses for logging. (It releases DDP before the process group, so that
+    the baseline itself never aborts at exit.)"""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import ddp_train
+
+    dist.init_process_group(backend="gloo")
+    rank = dist.get_rank()
+    args = ddp_train.parse_args(["--num-samples", str(opts.num_samples), "--seed", "0"])
+    train_set, _ = ddp_train.build_datasets(args)
+    torch.manual_seed(0)
+    model = DDP(ddp_train.build_model(args))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = DataLoader(train_set, batch_size=opts.batch_size, shuffle=False, sampler=DistributedSampler(train_set))
+    first_step_at = None
+    for epoch in range(opts.epochs):
+        loader.sampler.set_epoch(epoch)
+        t0 = time.perf_counter()
+        for source, targets in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(source), targets)
+            loss.backward()
+            optimizer.step()
+            loss.item()
+            if first_step_at is None:
+                first_step_at = time.time()
+        if rank == 0:
+            record(opts.metrics, epoch + 1, len(loader.sampler) * dist.get_world_size(), time.perf_counter() - t0,
+                   first_step_at, torch.device("cpu"))
+    del model, optimizer
+    gc.collect()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------
+# The runner
+# ---------------------------------------------------------------------------
+
+CONFIGS = [  # (key, label, processes, program)
+    ("ddp_1", "ddp_train.py, 1 process", 1, "ddp_train"),
+    ("ddp_2", "ddp_train.py, torchrun 2x1", 2, "ddp_train"),
+    ("hand_1", "hand-written loop, 1 process", 1, "hand"),
+    ("tutorial_2", "tutorial DDP, torchrun 2x1", 2, "tutorial"),
+]
+RATIOS = [("ddp_1", "hand_1"), ("ddp_2", "tutorial_2"), ("ddp_2", "ddp_1")]
+
+
+def command(opts, nproc, program, metrics: Path) -> list[str]:
+    common = ["--epochs", str(opts.epochs), "--num-samples", str(opts.num_samples), "--batch-size", str(opts.batch_size)]
+    if program == "ddp_train":
+        script = [str(HERE / "ddp_train.py"), *common, "--out-dir", str(metrics.parent), "--resume", "never"]
+    else:
+        script = [str(HERE / "bench_ddp_train.py"), "--baseline", program, *common, "--metrics", str(metrics)]
+    if nproc == 1:
+        return [sys.executable, *script]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *script]
+
+
+def run_once(opts, key, nproc, program, workdir: Path) -> dict:
+    out = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=workdir))
+    metrics = out / "metrics.jsonl"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("OMP_NUM_THREADS", None)  # each configuration sets its threads as it would for a user
+    if opts.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    launched = time.time()
+    proc = subprocess.run(command(opts, nproc, program, metrics), env=env, cwd=HERE, capture_output=True,
+                          text=True, timeout=opts.timeout)
+    if proc.returncode != 0 or not metrics.exists():
+        sys.exit(f"bench_ddp_train.py: {key} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    epochs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steady = [e["samples_per_sec"] for e in epochs[1:]] or [epochs[0]["samples_per_sec"]]
+    return {"samples_per_sec": statistics.median(steady), "first_step_s": epochs[0]["first_step_at"] - launched,
+            "peak_rss_mb": max(e["peak_rss_mb"] for e in epochs)}
+
+
+def spread(values, fmt) -> str:
+    if len(values) == 1:
+        return fmt(values[0])
+    return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="one short round (8,192 samples, 2 epochs)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--epochs", type=int, default=4, help="epochs per run; the first is excluded as warm-up")
+    p.add_argument("--num-samples", type=int, default=32768)
+    p.add_argument("--batch-size", type=int, default=64, help="per process")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--timeout", type=float, default=600, help="seconds for any one run")
+    p.add_argument("--baseline", choices=("hand", "tutorial"), help=argparse.SUPPRESS)
+    p.add_argument("--metrics", help=argparse.SUPPRESS)
+    opts = p.parse_args(argv)
+    if opts.baseline:
+        sys.path.insert(0, str(HERE))
+        return hand_written_loop(opts) if opts.baseline == "hand" else tutorial_ddp(opts)
+    if opts.quick:
+        opts.rounds, opts.epochs, opts.num_samples = 1, 2, 8192
+
+    import torch
+
+    configs = CONFIGS
+    if opts.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("bench_ddp_train.py: --device cuda, but torch sees no CUDA device")
+        if torch.cuda.device_count() < 2:  # two processes need two GPUs
+            configs = [c for c in CONFIGS if c[2] == 1]
+    where = torch.cuda.get_device_name() if opts.device == "cuda" else f"{os.cpu_count()} CPU cores"
+    print(f"workload: {opts.num_samples:,} samples, batch {opts.batch_size}/process, {opts.epochs} epochs "
+          f"(first excluded), {opts.rounds} interleaved round(s); torch {torch.__version__}, {where}", flush=True)
+
+    results = {key: [] for key, *_ in configs}
+    with tempfile.TemporaryDirectory(prefix="bench_ddp_train-") as workdir:
+        for round_no in range(opts.rounds):
+            for key, label, nproc, program in configs:
+                results[key].append(run_once(opts, key, nproc, program, Path(workdir)))
+            print(f"  round {round_no + 1}/{opts.rounds} done", flush=True)
+
+    print(f"\n{'configuration':<30} {'samples/s, median (min-max)':>30} {'launch->first step':>22} {'peak RSS/process':>17}")
+    for key, label, *_ in configs:
+        runs = results[key]
+        print(f"{label:<30} {spread([r['samples_per_sec'] for r in runs], lambda v: f'{v:,.0f}'):>30} "
+              f"{spread([r['first_step_s'] for r in runs], lambda v: f'{v:.2f} s'):>22} "
+              f"{spread([r['peak_rss_mb'] for r in runs], lambda v: f'{v:.0f} MB'):>17}")
+    print(f"\n{'ratio (per round)':<56} {'median (min-max)':>20} {'target':>8}")
+    labels = {key: label for key, label, *_ in configs}
+    for a, b in RATIOS:
+        if a in results and b in results:
+            ratios = [x["samples_per_sec"] / y["samples_per_sec"] for x, y in zip(results[a], results[b])]
+            target = f">= {TARGETS[a]:.2f}" if (a, b) in (("ddp_1", "hand_1"), ("ddp_2", "tutorial_2")) else ""
+            print(f"{labels[a] + ' / ' + labels[b]:<56} {spread(ratios, lambda v: f'{v:.2f}x'):>20} {target:>8}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
