@@ -11,8 +11,9 @@ One file, torch only. Launch it unchanged in any of these ways:
     srun --ntasks=8 python ddp_train.py                  # SLURM: one task per GPU
 
 To train your model on your data, replace build_datasets() and build_model();
-everything between them and the log is the distributed machinery, and every
-line of it that exists only because of DDP is marked "DDP:".
+everything else is the distributed machinery. The steps that exist only because
+of DDP carry a "DDP:" comment, and each classic DDP pitfall a "Trap:" comment
+where it is handled.
 
 Reading order: arguments, how we were launched (init_distributed), data, model,
 checkpoints, the training loop, main().
@@ -123,7 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--batch-norm", action="store_true", help="give the default model BatchNorm layers")
     g.add_argument("--peak-tflops", type=_float_at_least(0.0, strict=True), default=None,
                    help="peak TFLOP/s of one GPU for the MFU figure (default: looked up from the GPU's name)")
-    g.add_argument("--workers", type=int, default=-1, help="DataLoader workers per process for datasets that are not in-memory tensors (-1: 0 on CPU, a few on CUDA)")
+    g.add_argument("--workers", type=_int_at_least(-1), default=-1, help="DataLoader workers per process for datasets that are not in-memory tensors (-1: 0 on CPU, a few on CUDA)")
 
     g = p.add_argument_group("data")
     g.add_argument("--num-samples", type=pos, default=32768, help="size of the default synthetic training set")
@@ -194,16 +195,19 @@ def _launch_env(args) -> tuple[str, int, int, int, int]:
         env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost"))))
         # Every task derives the same port from the job id, so two jobs on one node don't collide.
         env.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        per_node = int(env.get("SLURM_NTASKS_PER_NODE", "0") or 0) or world
+        per_node = int(re.match(r"\d*", env.get("SLURM_NTASKS_PER_NODE", "")).group(0) or world)  # "4" or "4(x2)"
         return "slurm", rank, world, int(env.get("SLURM_LOCALID", 0)), per_node
     return "python", 0, 1, 0, 1
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _set_threads(local_world_size: int) -> None:
     """Share the CPU cores between the processes of one node, unless the user chose."""
     if "OMP_NUM_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // max(1, local_world_size)))
+        torch.set_num_threads(max(1, _cores() // max(1, local_world_size)))
 
 
 def restart_safe_store(args, world: int, timeout: datetime.timedelta):
@@ -246,8 +250,8 @@ def init_distributed(args) -> DistContext:
 
     # DDP: join the process group. The timeout turns a missing peer into an error, not a hang.
     timeout = datetime.timedelta(seconds=args.timeout)
-    store = restart_safe_store(args, world, timeout)
     try:
+        store = restart_safe_store(args, world, timeout)
         dist.init_process_group(
             backend=backend,
             init_method=None if store else args.init_method,
@@ -314,14 +318,15 @@ def batches(dataset: Dataset, indices: list[int], batch_size: int, ctx: DistCont
         return
     on_gpu = ctx.device.type == "cuda"
     if workers < 0:
-        workers = min(4, max(1, len(os.sched_getaffinity(0)) // ctx.local_world_size - 1)) if on_gpu else 0
+        workers = min(4, max(1, _cores() // ctx.local_world_size - 1)) if on_gpu else 0
     loader = DataLoader(dataset, batch_size=batch_size, sampler=indices, num_workers=workers, pin_memory=on_gpu)
     for batch in loader:
         yield tuple(t.to(ctx.device, non_blocking=True) for t in batch)
 
 
 def place_dataset(dataset: Dataset, ctx: DistContext) -> Dataset:
-    """Small in-memory tensor datasets live on the device once, so batches never cross PCIe."""
+    """In-memory tensor datasets move to the GPU once, so batches never cross PCIe. (Data larger
+    than GPU memory belongs in a Dataset that loads on demand: it goes through the DataLoader.)"""
     if isinstance(dataset, TensorDataset) and ctx.device.type == "cuda":
         return TensorDataset(*(t.to(ctx.device) for t in dataset.tensors))
     return dataset
@@ -430,13 +435,16 @@ def build_scheduler(optimizer, warmup_steps: int, total_steps: int):
 # ---------------------------------------------------------------------------
 
 
-def atomic_save(obj, path: str) -> None:
-    """Write to a temp file, flush + fsync, then rename: a crash never leaves a torn file."""
+def atomic_save(obj, path: str, keep_previous: str | None = None) -> None:
+    """Write to a temp file, flush + fsync, then rename: a crash never leaves a torn file.
+    With keep_previous, the file being replaced is kept under that name."""
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+    if keep_previous and os.path.exists(path):
+        os.replace(path, keep_previous)
     os.replace(tmp, path)
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
@@ -461,10 +469,7 @@ def save_checkpoint(state: dict, out_dir: str, ctx: DistContext) -> None:
         dist.all_gather_object(rng_states, rng, group=ctx.control_group)
     if ctx.is_main:
         path, prev = checkpoint_paths(out_dir)
-        atomic_save({**state, "rng": rng_states}, f"{path}.new")
-        if os.path.exists(path):
-            os.replace(path, prev)
-        os.replace(f"{path}.new", path)
+        atomic_save({**state, "rng": rng_states}, path, keep_previous=prev)
 
 
 def load_checkpoint(args, ctx: DistContext) -> tuple[dict, str] | None:
@@ -622,38 +627,11 @@ def train(args, ctx: DistContext) -> int:
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")
 
     # Resume: every rank reads the checkpoint onto its own device.
-    progress, config = Progress(), run_config(args, ctx, lr)
+    config = run_config(args, ctx, lr)
     if ctx.is_main:
         os.makedirs(args.out_dir, exist_ok=True)
-    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-    found = load_checkpoint(args, ctx)
-    if found:
-        ckpt, path = found
-        check_resumable(ckpt, config, path, ctx)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        scaler.load_state_dict(ckpt["scaler"])
-        progress = Progress(ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"])
-        if ctx.is_main:  # the epoch's global sums so far, held by rank 0 alone so they count once
-            progress.loss_sum, progress.samples = ckpt["loss_sum"], ckpt["samples"]
-        if ckpt["world_size"] == ctx.world_size:
-            restore_rng(ckpt["rng"][ctx.rank], ctx)
-        else:  # no saved stream fits a new world size: a fresh, deterministic one per rank
-            torch.manual_seed(args.seed + 1000 * progress.step + ctx.rank)
-        where = ("the end of training" if progress.epoch >= args.epochs else
-                 f"epoch {progress.epoch + 1}, step {progress.step_in_epoch}/{steps_per_epoch}")
-        log(f"resumed from {path} at {where} ({progress.step} optimizer steps done, "
-            f"saved by world size {ckpt['world_size']})")
-        del ckpt
-    agree_on_resume_point(progress, ctx)
-    if ctx.is_main:  # keep the metrics of completed epochs; a fresh run starts a fresh file
-        kept = []
-        if found and os.path.exists(metrics_path):
-            with open(metrics_path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["epoch"] <= progress.epoch]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
+    progress = resume(args, ctx, config, steps_per_epoch, model, optimizer, scheduler, scaler)
+    metrics_path = start_metrics_file(args.out_dir, progress, ctx)
 
     ddp_model = wrap_model(model, args, ctx)
     warm_up_ddp(ddp_model, train_set, args, ctx)
@@ -664,11 +642,7 @@ def train(args, ctx: DistContext) -> int:
     log(f"global batch {global_batch} = {args.batch_size}/process x {ctx.world_size} x {args.grad_accum} accum, "
         f"lr {lr:g}, {len(train_set):,} train / {len(eval_set):,} eval samples, {steps_per_epoch} steps/epoch")
 
-    start, stopped, first_step_at = time.perf_counter(), False, None
-    peak_flops = None
-    if ctx.device.type == "cuda":
-        per_gpu = args.peak_tflops or gpu_peak_tflops(torch.cuda.get_device_name(ctx.device), args.amp)
-        peak_flops = per_gpu * 1e12 * ctx.world_size if per_gpu else None
+    start, stopped, first_step_at, peak = time.perf_counter(), False, None, peak_flops(args, ctx)
     while progress.epoch < args.epochs and not stopped:
         sampler.set_epoch(progress.epoch)  # trap: without it every epoch reuses the same shuffle
         indices = list(sampler)
@@ -729,8 +703,8 @@ def train(args, ctx: DistContext) -> int:
                   "eval_loss": None, "eval_accuracy": None, "eval_samples": 0}
         if len(eval_set):
             record["eval_loss"], record["eval_accuracy"], record["eval_samples"] = evaluate(model, eval_set, args, ctx)
-        if peak_flops:  # model FLOPs utilisation: achieved training FLOP/s over all GPUs' peak
-            record["mfu"] = (progress.samples - samples_before) / train_time * flops_per_sample(model) / peak_flops
+        if peak:  # model FLOPs utilisation: achieved training FLOP/s over all GPUs' peak
+            record["mfu"] = (progress.samples - samples_before) / train_time * flops_per_sample(model) / peak
         record.update(
             train_samples=progress.samples, samples_per_sec=(progress.samples - samples_before) / train_time,
             world_size=ctx.world_size, effective_batch_size=global_batch, step=progress.step,
@@ -753,6 +727,55 @@ def train(args, ctx: DistContext) -> int:
     if ctx.distributed:
         dist.barrier()  # the other ranks wait for rank 0's files before anyone leaves
     return EXIT_PREEMPTED if stopped else 0
+
+
+def resume(args, ctx: DistContext, config: dict, steps_per_epoch: int, model, optimizer, scheduler, scaler) -> Progress:
+    """Load the checkpoint to continue from (if any) into the training objects; return where we are."""
+    found = load_checkpoint(args, ctx)
+    progress = Progress()
+    if found:
+        ckpt, path = found
+        check_resumable(ckpt, config, path, ctx)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        scaler.load_state_dict(ckpt["scaler"])
+        progress = Progress(ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"])
+        if ctx.is_main:  # the epoch's global sums so far, held by rank 0 alone so they count once
+            progress.loss_sum, progress.samples = ckpt["loss_sum"], ckpt["samples"]
+        if ckpt["world_size"] == ctx.world_size:
+            restore_rng(ckpt["rng"][ctx.rank], ctx)
+        else:  # no saved stream fits a new world size: a fresh, deterministic one per rank
+            torch.manual_seed(args.seed + 1000 * progress.step + ctx.rank)
+        if ctx.is_main:
+            where = ("the end of training" if progress.epoch >= args.epochs else
+                     f"epoch {progress.epoch + 1}, step {progress.step_in_epoch}/{steps_per_epoch}")
+            print(f"resumed from {path} at {where} ({progress.step} optimizer steps done, "
+                  f"saved by world size {ckpt['world_size']})", flush=True)
+    agree_on_resume_point(progress, ctx)
+    return progress
+
+
+def start_metrics_file(out_dir: str, progress: Progress, ctx: DistContext) -> str:
+    """metrics.jsonl keeps the lines of completed epochs (none on a fresh start), so a resumed
+    run never logs an epoch twice."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if ctx.is_main:
+        kept = []
+        if progress.step and os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["epoch"] <= progress.epoch]
+        with open(path, "w") as f:
+            f.writelines(kept)
+    return path
+
+
+def peak_flops(args, ctx: DistContext) -> float | None:
+    """All GPUs' peak FLOP/s together, for the MFU figure; None on CPU or a GPU we do not know."""
+    if ctx.device.type != "cuda":
+        return None
+    per_gpu = args.peak_tflops or gpu_peak_tflops(torch.cuda.get_device_name(ctx.device), args.amp)
+    return per_gpu * 1e12 * ctx.world_size if per_gpu else None
 
 
 def fold_epoch_stats(progress: Progress, local_loss: torch.Tensor, local_samples: int, ctx: DistContext) -> None:

@@ -162,6 +162,20 @@ def assert_same_run(a: dict, b: dict):
         assert (a[k] - b[k]).norm() <= 1e-3 * b[k].norm(), f"{k} differs by {(a[k] - b[k]).norm() / b[k].norm():.2g} (relative norm)"
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """reference(cmd): the Result of a run that several tests compare against, made once per module."""
+    made = {}
+
+    def get(cmd):
+        key = tuple(map(str, cmd))
+        if key not in made:
+            made[key] = run(cmd, tmp_path_factory.mktemp("reference"))
+        return made[key]
+
+    return get
+
+
 def default_args(*argv):
     return ddp_train.parse_args(list(argv))
 
@@ -292,9 +306,9 @@ def test_repeated_torchrun_runs_never_abort_at_exit(tmp_path):
 # ---------------------------------------------------------------------------
 
 
-def test_two_ranks_match_single_process_global_batch(tmp_path):
-    two = run(torchrun_cmd(2, *SMALL), tmp_path, out="two")
-    one = run(python_cmd(*SMALL, "--batch-size", 64), tmp_path, out="one")
+def test_two_ranks_match_single_process_global_batch(tmp_path, reference):
+    two = reference(torchrun_cmd(2, *SMALL))
+    one = reference(python_cmd(*SMALL, "--batch-size", 64))
     assert_same_weights(two.weights, one.weights)
     # The logged global train loss is the same number the single process computed.
     for a, b in zip(two.metrics, one.metrics):
@@ -390,6 +404,20 @@ def test_sync_bn_on_cpu_says_it_needs_cuda(tmp_path):
     assert r.stderr.count("ddp_train.py: error: --sync-bn needs CUDA") == 1, r
 
 
+def test_compiled_ddp_saves_a_plain_state_dict(tmp_path):
+    # torch.compile wraps the module in _orig_mod, DDP in module: neither may leak into model.pt.
+    r = run(torchrun_cmd(2, *SMALL, "--compile"), tmp_path)
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in r.weights)
+    ddp_train.build_model(default_args()).load_state_dict(r.weights)
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_mixed_precision_trains_on_cpu_too(tmp_path, reference, amp):
+    r = run(torchrun_cmd(2, *SMALL, "--amp", amp), tmp_path)
+    exact = reference(torchrun_cmd(2, *SMALL))
+    assert r.metrics[-1]["train_loss"] == pytest.approx(exact.metrics[-1]["train_loss"], rel=0.02)
+
+
 def test_first_slurm_host_expands_node_lists():
     assert ddp_train.first_slurm_host("gpu[07-09,12],cpu1") == "gpu07"
     assert ddp_train.first_slurm_host("node3,node4") == "node3"
@@ -404,18 +432,7 @@ def test_first_slurm_host_expands_node_lists():
 FT = ["--num-samples", "8192", "--eval-samples", "256", "--epochs", "2", "--batch-size", "16", "--save-every", "40"]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The runs an interrupted one must reproduce bit for bit, made once per module."""
-    made = {}
-
-    def get(kind):
-        if kind not in made:
-            tmp = tmp_path_factory.mktemp(f"uninterrupted-{kind}")
-            made[kind] = run(torchrun_cmd(2, *FT) if kind == "torchrun2" else python_cmd(*FT), tmp)
-        return made[kind]
-
-    return get
+FT_TORCHRUN2, FT_PYTHON = torchrun_cmd(2, *FT), python_cmd(*FT)
 
 
 def worker_pids(agent_pid: int) -> dict[int, int]:
@@ -443,7 +460,7 @@ def wait_for_checkpoint(launch: Launch, out_dir: Path):
     launch.wait_for(lambda: (out_dir / "checkpoint.pt").exists(), "first checkpoint")
 
 
-def test_killed_worker_is_restarted_and_ends_bit_identical(tmp_path, uninterrupted):
+def test_killed_worker_is_restarted_and_ends_bit_identical(tmp_path, reference):
     out = tmp_path / "out"
     cmd = torchrun_cmd(2, *FT, "--out-dir", out, launcher_args=["--max-restarts=1"])
     with Launch(cmd, tmp_path) as launch:
@@ -454,13 +471,13 @@ def test_killed_worker_is_restarted_and_ends_bit_identical(tmp_path, uninterrupt
     assert code == 0, r
     step_in_epoch, _ = resumed_at(r.stdout)
     assert step_in_epoch > 0  # it really was mid-epoch
-    assert_same_weights(r.weights, uninterrupted("torchrun2").weights, exact=True)
+    assert_same_weights(r.weights, reference(FT_TORCHRUN2).weights, exact=True)
     assert [m["epoch"] for m in r.metrics] == [1, 2]  # no epoch logged twice
-    for a, b in zip(r.metrics, uninterrupted("torchrun2").metrics):
+    for a, b in zip(r.metrics, reference(FT_TORCHRUN2).metrics):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-9) and a["eval_accuracy"] == b["eval_accuracy"]
 
 
-def test_sigterm_to_torchrun_checkpoints_on_every_rank_and_rerun_is_bit_identical(tmp_path, uninterrupted):
+def test_sigterm_to_torchrun_checkpoints_on_every_rank_and_rerun_is_bit_identical(tmp_path, reference):
     out = tmp_path / "out"
     cmd = torchrun_cmd(2, *FT)
     with Launch([*cmd, "--out-dir", out], tmp_path, "stopped") as launch:
@@ -475,11 +492,11 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank_and_rerun_is_bit_identica
     assert not (out / "model.pt").exists()
     again = run(cmd, tmp_path)
     assert resumed_at(again.stdout)[1] == int(m.group(1))
-    assert_same_weights(again.weights, uninterrupted("torchrun2").weights, exact=True)
+    assert_same_weights(again.weights, reference(FT_TORCHRUN2).weights, exact=True)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
-def test_single_process_stop_signal_exits_75_and_rerun_is_bit_identical(tmp_path, uninterrupted, sig):
+def test_single_process_stop_signal_exits_75_and_rerun_is_bit_identical(tmp_path, reference, sig):
     out = tmp_path / "out"
     with Launch(python_cmd(*FT, "--out-dir", out), tmp_path, "stopped") as launch:
         wait_for_checkpoint(launch, out)
@@ -487,7 +504,7 @@ def test_single_process_stop_signal_exits_75_and_rerun_is_bit_identical(tmp_path
         assert launch.wait() == 75, launch.stderr
     again = run(python_cmd(*FT), tmp_path)
     assert "resumed from" in again.stdout
-    assert_same_weights(again.weights, uninterrupted("python").weights, exact=True)
+    assert_same_weights(again.weights, reference(FT_PYTHON).weights, exact=True)
 
 
 def test_four_ranks_stop_and_resume_bit_identical(tmp_path):
@@ -505,7 +522,7 @@ def test_four_ranks_stop_and_resume_bit_identical(tmp_path):
     assert_same_weights(again.weights, reference.weights, exact=True)
 
 
-def test_truncated_checkpoint_falls_back_to_previous_one(tmp_path, uninterrupted):
+def test_truncated_checkpoint_falls_back_to_previous_one(tmp_path, reference):
     first = run(python_cmd(*FT), tmp_path)
     ckpt, prev = first.out_dir / "checkpoint.pt", first.out_dir / "checkpoint.prev.pt"
     ckpt.write_bytes(ckpt.read_bytes()[:1000])  # a torn write, a full disk, a bad copy
@@ -514,7 +531,7 @@ def test_truncated_checkpoint_falls_back_to_previous_one(tmp_path, uninterrupted
     assert "warning: " in r.stderr and "checkpoint.pt is unreadable" in r.stderr, r
     assert "resumed from" in r.stdout and "checkpoint.prev.pt" in r.stdout
     assert (first.out_dir / "checkpoint.pt.unreadable").exists()
-    assert_same_weights(r.weights, uninterrupted("python").weights, exact=True)
+    assert_same_weights(r.weights, reference(FT_PYTHON).weights, exact=True)
     # Rerunning a finished run changes nothing.
     done = run(python_cmd(*FT), tmp_path)
     assert "at the end of training" in done.stdout
@@ -532,7 +549,7 @@ def test_unreadable_checkpoints_stop_with_one_line_and_stay_untouched(tmp_path):
     assert {p: p.read_bytes() for p in files} == files
 
 
-def test_resume_with_another_world_size_keeps_global_batch(tmp_path, uninterrupted):
+def test_resume_with_another_world_size_keeps_global_batch(tmp_path, reference):
     out = tmp_path / "out"
     with Launch(python_cmd(*FT, "--spawn", 2, "--out-dir", out), tmp_path, "stopped") as launch:
         wait_for_checkpoint(launch, out)
@@ -546,12 +563,12 @@ def test_resume_with_another_world_size_keeps_global_batch(tmp_path, uninterrupt
     # One process with twice the batch continues the same run (to float rounding).
     r = run(python_cmd(*FT, "--batch-size", 32), tmp_path)
     assert resumed_at(r.stdout)[0] > 0 and "saved by world size 2" in r.stdout
-    assert_same_run(r.weights, uninterrupted("torchrun2").weights)
-    for a, b in zip(r.metrics, uninterrupted("torchrun2").metrics):
+    assert_same_run(r.weights, reference(FT_TORCHRUN2).weights)
+    for a, b in zip(r.metrics, reference(FT_TORCHRUN2).metrics):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
 
 
-def test_resume_never_ignores_checkpoint_and_keeps_it_until_its_first_save(tmp_path, uninterrupted):
+def test_resume_never_ignores_checkpoint_and_keeps_it_until_its_first_save(tmp_path, reference):
     other = run(python_cmd(*SMALL, "--seed", 1), tmp_path)
     before = (other.out_dir / "checkpoint.pt").read_bytes()
     # A fresh run killed before its first save (epoch end) leaves the old checkpoint as it was.
@@ -563,7 +580,7 @@ def test_resume_never_ignores_checkpoint_and_keeps_it_until_its_first_save(tmp_p
     # Run to the end, it is exactly a fresh run, and the old checkpoint survived its first save.
     r = run(python_cmd(*FT, "--resume", "never"), tmp_path)
     assert "resumed" not in r.stdout and [m["epoch"] for m in r.metrics] == [1, 2]
-    assert_same_weights(r.weights, uninterrupted("python").weights, exact=True)
+    assert_same_weights(r.weights, reference(FT_PYTHON).weights, exact=True)
 
 
 # ---------------------------------------------------------------------------
@@ -802,10 +819,10 @@ def test_dataloader_path_yields_the_same_batches_as_the_in_memory_path():
     assert all(torch.equal(a, b) for fa, sl in zip(fast, slow) for a, b in zip(fa, sl)) and len(fast) == len(slow)
 
 
-def test_bf16_gradient_compression_is_opt_in_and_changes_numerics(tmp_path):
-    exact = run(torchrun_cmd(2, *SMALL), tmp_path, out="exact")
-    bf16 = run(torchrun_cmd(2, *SMALL, "--grad-compression", "bf16"), tmp_path, out="bf16")
-    one = run(python_cmd(*SMALL, "--batch-size", 64), tmp_path, out="one")
+def test_bf16_gradient_compression_is_opt_in_and_changes_numerics(tmp_path, reference):
+    exact = reference(torchrun_cmd(2, *SMALL))
+    bf16 = run(torchrun_cmd(2, *SMALL, "--grad-compression", "bf16"), tmp_path)
+    one = reference(python_cmd(*SMALL, "--batch-size", 64))
     assert_same_weights(exact.weights, one.weights)  # the default stays exact
     with pytest.raises(AssertionError):
         assert_same_weights(bf16.weights, one.weights)
