@@ -833,7 +833,8 @@ def log_epoch(record: dict, args, metrics_path: str, ctx: DistContext) -> None:
         f"  eval_loss {record['eval_loss']:.4f}  eval_acc {100 * record['eval_accuracy']:6.2f}%")
     mfu = f"  MFU {100 * record['mfu']:5.2f}%" if "mfu" in record else ""
     print(f"epoch {record['epoch']:>3}/{args.epochs}  train_loss {record['train_loss']:.4f}{ev}  "
-          f"{record['samples_per_sec']:>9,.0f} samples/s{mfu}  {record['epoch_time_s']:6.2f} s", flush=True)
+          f"{record['samples_per_sec']:>9,.0f} samples/s{mfu}  world {record['world_size']}  "
+          f"batch {record['effective_batch_size']}  {record['epoch_time_s']:6.2f} s", flush=True)
     with open(metrics_path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
