@@ -223,6 +223,9 @@ def main(argv=None):
             ratios = [x["samples_per_sec"] / y["samples_per_sec"] for x, y in zip(results[a], results[b])]
             target = f">= {TARGETS[a, b]:.2f}" if (a, b) in TARGETS else ""
             print(f"{labels[a] + ' / ' + labels[b]:<56} {spread(ratios, lambda v: f'{v:.2f}x'):>20} {target:>8}")
+    if opts.quick:
+        print("\n--quick measures one short epoch per configuration: it checks that everything runs; its figures\n"
+              "swing with the machine's noise. Without --quick the figures are medians over interleaved rounds.")
 
 
 if __name__ == "__main__":
