@@ -12,7 +12,7 @@ and reports steady-state training samples/s (the epochs after the first, trainin
 launch to the first finished optimizer step, and peak memory per process, as the median and min-max over
 rounds; then the ratios, each taken within a round.
 
-    python bench_ddp_train.py             # 5 rounds on the default workload, about 2 minutes on 2 cores
+    python bench_ddp_train.py             # 10 rounds on the default workload, about 5 minutes on 2 cores
     python bench_ddp_train.py --quick     # 1 short round: checks that everything runs
     python bench_ddp_train.py --device cuda   # on a GPU: 1 and 3 on the GPU, 2 and 4 need 2 GPUs
 
@@ -176,8 +176,8 @@ def spread(values, fmt) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one short round (8,192 samples, 2 epochs)")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    p.add_argument("--epochs", type=int, default=4, help="epochs per run; the first is excluded as warm-up")
+    p.add_argument("--rounds", type=int, default=10, help="interleaved rounds (on a noisy machine, fewer rounds give unsteady medians)")
+    p.add_argument("--epochs", type=int, default=6, help="epochs per run; the first is excluded as warm-up")
     p.add_argument("--num-samples", type=int, default=32768)
     p.add_argument("--batch-size", type=int, default=64, help="per process")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
