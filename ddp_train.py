@@ -644,7 +644,7 @@ def train(args, ctx: DistContext) -> int:
 
     start, stopped, first_step_at, peak = time.perf_counter(), False, None, peak_flops(args, ctx)
     while progress.epoch < args.epochs and not stopped:
-        sampler.set_epoch(progress.epoch)  # trap: without it every epoch reuses the same shuffle
+        sampler.set_epoch(progress.epoch)  # Trap: without it every epoch reuses the same shuffle
         indices = list(sampler)
         n_micro = math.ceil(len(indices) / args.batch_size)
         # Mid-epoch resume: the batches already trained are skipped without being loaded.
@@ -703,10 +703,11 @@ def train(args, ctx: DistContext) -> int:
                   "eval_loss": None, "eval_accuracy": None, "eval_samples": 0}
         if len(eval_set):
             record["eval_loss"], record["eval_accuracy"], record["eval_samples"] = evaluate(model, eval_set, args, ctx)
+        samples_per_sec = (progress.samples - samples_before) / train_time
         if peak:  # model FLOPs utilisation: achieved training FLOP/s over all GPUs' peak
-            record["mfu"] = (progress.samples - samples_before) / train_time * flops_per_sample(model) / peak
+            record["mfu"] = samples_per_sec * flops_per_sample(model) / peak
         record.update(
-            train_samples=progress.samples, samples_per_sec=(progress.samples - samples_before) / train_time,
+            train_samples=progress.samples, samples_per_sec=samples_per_sec,
             world_size=ctx.world_size, effective_batch_size=global_batch, step=progress.step,
             lr=scheduler.get_last_lr()[0], epoch_time_s=train_time, first_step_at=first_step_at,
             **memory_stats(ctx),
