@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -42,12 +41,11 @@ TARGETS = {("ddp_1", "hand_1"): 0.95, ("ddp_2", "tutorial_2"): 1.15}  # from the
 
 
 def record(path, epoch, samples, seconds, first_step_at, device):
-    import torch
+    """One metrics line, with the same memory figures ddp_train.py writes."""
+    import ddp_train
 
     rec = {"epoch": epoch, "samples_per_sec": samples / seconds, "first_step_at": first_step_at,
-           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    if device.type == "cuda":
-        rec["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+           **ddp_train.memory_stats(ddp_train.DistContext(device=device))}
     with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")
 
