@@ -107,6 +107,15 @@ class Launch:
         self.kill()
 
 
+def finish(nodes, timeout=TIMEOUT):
+    """Wait for every launch; kill them all afterwards, whatever happened."""
+    try:
+        return [n.wait(timeout) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+
+
 class Result:
     def __init__(self, launch: Launch, out_dir: Path):
         self.returncode, self.stdout, self.stderr, self.out_dir = launch.proc.returncode, launch.stdout, launch.stderr, out_dir
@@ -242,11 +251,7 @@ def test_slurm_tasks_find_master_from_nodelist_and_port_from_job_id(tmp_path):
     out_dir = tmp_path / "out"
     tasks = [Launch(python_cmd(*SMALL, "--out-dir", out_dir), tmp_path, f"task{i}",
                     env=clean_env(**slurm, SLURM_PROCID=i, SLURM_LOCALID=i)) for i in range(2)]
-    try:
-        codes = [t.wait() for t in tasks]
-    finally:
-        for t in tasks:
-            t.kill()
+    codes = finish(tasks)
     assert codes == [0, 0], tasks[0].stderr + tasks[1].stderr
     check_completed_run(Result(tasks[0], out_dir), 2, "slurm")
     assert tasks[1].stdout == ""  # rank 1 prints nothing
@@ -276,11 +281,7 @@ def test_two_torchrun_nodes_on_localhost_only_rank0_writes(tmp_path):
         cmd = [PY, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node_rank}",
                "--master_addr=127.0.0.1", f"--master_port={port}", SCRIPT, *SMALL, "--out-dir", "out"]
         nodes.append(Launch(cmd, tmp_path, f"node{node_rank}", cwd=cwd))
-    try:
-        codes = [n.wait() for n in nodes]
-    finally:
-        for n in nodes:
-            n.kill()
+    codes = finish(nodes)
     assert codes == [0, 0], nodes[0].stderr + nodes[1].stderr
     check_completed_run(Result(nodes[0], tmp_path / "node0" / "out"), 2, "torchrun")
     assert not (tmp_path / "node1" / "out").exists()
@@ -662,14 +663,6 @@ def node_env(hosts, node_rank, port, **extra):
 def start_nodes(hosts, tmp_path, args, port, name="node", hostname=None, **extra):
     return [Launch(hosts[i].command(RUN_MULTI, *args, hostname=hostname), tmp_path, f"{name}{i}",
                    env=node_env(hosts, i, port, **extra)) for i in range(2)]
-
-
-def finish(nodes, timeout=TIMEOUT):
-    try:
-        return [n.wait(timeout) for n in nodes]
-    finally:
-        for n in nodes:
-            n.kill()
 
 
 def last_line(text: str) -> str:
