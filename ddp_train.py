@@ -44,14 +44,22 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
+
+try:  # numpy is optional; when present, a Dataset's numpy randomness is seeded like torch's
+    import numpy
+except ImportError:
+    numpy = None
 
 PROG = "ddp_train.py"
 # Exit code after a preemption signal (SIGTERM, SIGUSR1) once the checkpoint is saved.
 # 75 is EX_TEMPFAIL: "try again later", and rerunning the same command continues the run.
 EXIT_PREEMPTED = 75
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), after the checkpoint is saved: the shell's convention
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 CHECKPOINT_FORMAT = "ddp_train.checkpoint/1"
+EVAL_EPOCH = -1  # evaluation's own data seeds (see SeededSamples): the same in every epoch
+RANK_STREAM = -2  # mixed with --seed and the rank: each rank's own random stream for the model
 
 # The default task: a synthetic classification problem (see build_datasets).
 IN_FEATURES, NUM_CLASSES, HIDDEN = 32, 10, 256
@@ -307,21 +315,175 @@ def build_datasets(args) -> tuple[Dataset, Dataset]:
     return make(args.num_samples), make(args.eval_samples)
 
 
-def batches(dataset: Dataset, indices: list[int], batch_size: int, ctx: DistContext, workers: int = -1):
-    """Yield (inputs, targets) on the device, for `indices` in order, `batch_size` at a time."""
-    if isinstance(dataset, TensorDataset):
-        # In-memory tensors: gather a whole batch with one index op instead of collating samples.
-        index = torch.as_tensor(indices, dtype=torch.long, device=dataset.tensors[0].device)
-        for start in range(0, len(index), batch_size):
-            rows = index[start : start + batch_size]
-            yield tuple(t[rows].to(ctx.device, non_blocking=True) for t in dataset.tensors)
+class Loader:
+    """Batches of a Dataset on the device. Every sample's randomness (augmentation) is a function of
+    (--seed, epoch, sample index) alone, whatever the worker count, world size or resume point."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, ctx: DistContext, workers: int, seed: int):
+        self.dataset, self.batch_size, self.ctx = dataset, batch_size, ctx
+        self.samples, self.plan, self.loader = SeededSamples(dataset, seed), _Plan(), None
+        on_gpu = ctx.device.type == "cuda"
+        if workers < 0:
+            workers = min(4, max(1, _cores() // ctx.local_world_size - 1)) if on_gpu else 0
+        if type(dataset) is not TensorDataset and workers > 0:
+            # Workers started once, not every epoch (persistent); a private generator for the
+            # loader's base seed, because the global one belongs to the model (dropout).
+            self.loader = DataLoader(self.samples, batch_sampler=self.plan, num_workers=workers, persistent_workers=True,
+                                     pin_memory=on_gpu, collate_fn=collate, worker_init_fn=leave_signals_to_trainer,
+                                     generator=torch.Generator())
+
+    def batches(self, indices: list[int], epoch: int):
+        """Yield the samples `indices` in order, batch_size at a time."""
+        if type(self.dataset) is TensorDataset:  # exactly: a subclass may augment in its own __getitem__
+            # In-memory tensors: gather a whole batch with one index op instead of collating samples.
+            tensors = self.dataset.tensors
+            index = torch.as_tensor(indices, dtype=torch.long, device=tensors[0].device)
+            for rows in index.split(self.batch_size):
+                yield tuple(t[rows].to(self.ctx.device, non_blocking=True) for t in tensors)
+            return
+        keys = [(epoch, i) for i in indices]
+        self.plan.batches = [keys[i : i + self.batch_size] for i in range(0, len(keys), self.batch_size)]
+        if self.loader is None:
+            loaded = (load_in_this_process(self.samples, chunk) for chunk in self.plan.batches)
+        else:
+            loaded = iter(self.loader)
+        try:
+            for batch in loaded:
+                yield to_device(batch, self.ctx.device)
+        except BatchError as exc:
+            fail(f"cannot batch the items of {type(self.dataset).__name__}: {str(exc).rsplit('BatchError: ', 1)[-1]}",
+                 ctx=self.ctx)
+
+
+class _Plan:
+    """The batch sampler of a Loader's DataLoader: the batches of the next pass."""
+
+    def __init__(self):
+        self.batches = []
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+
+def load_in_this_process(samples: Dataset, chunk: list):
+    """One batch loaded here, not in a worker: the training process's own torch stream (dropout)
+    must not see the per-sample seeding, so it is put back afterwards."""
+    state = torch.default_generator.get_state()
+    try:
+        return collate([samples[key] for key in chunk])
+    finally:
+        torch.default_generator.set_state(state)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+_MASK64 = 2**64 - 1
+
+
+def mix_seed(*parts: int) -> int:
+    """A well-mixed 64-bit seed from integers: the same in every process, machine and version."""
+    h = 0
+    for part in parts:
+        h = _splitmix64(h ^ (part & _MASK64))
+    return h
+
+
+class SeededSamples(Dataset):
+    """The user's Dataset, seeded per sample: before sample i of epoch e loads (its key is (e, i)),
+    torch, random and numpy are seeded from (seed, e, i)."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed, self.epoch_seeds = dataset, seed, {}
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key
+        if epoch not in self.epoch_seeds:
+            self.epoch_seeds[epoch] = mix_seed(self.seed, epoch)
+        s = _splitmix64(self.epoch_seeds[epoch] ^ index)
+        torch.default_generator.manual_seed(s)  # not torch.manual_seed: 100x slower, it visits every device
+        random.seed(s)
+        if numpy is not None:
+            numpy.random.seed(s >> 32)
+        return self.dataset[index]
+
+
+def leave_signals_to_trainer(worker_id: int) -> None:
+    """DataLoader worker_init_fn. torchrun, scancel and terminals signal whole process groups, and a
+    worker exits on a SIGTERM its parent did not send, which kills the trainer before it can save.
+    The stop signals are the training process's to handle."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class BatchError(TypeError):
+    """Items that default_collate cannot batch (raised in a worker, re-raised in the trainer)."""
+
+
+def collate(items: list):
+    try:
+        return default_collate(items)
+    except (TypeError, RuntimeError) as exc:
+        raise BatchError(f"{last_line(exc)}. __getitem__ should return tensors, numbers or strings, or tuples, "
+                         "lists and dicts of them, with the same shapes for every item") from None
+
+
+def to_device(batch, device: torch.device):
+    """Move a batch to the device: tensors, in any nesting of tuples, lists and dicts."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # namedtuples too
+    return batch
+
+
+def last_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__
+
+
+def my_share(sampler: DistributedSampler, dataset_len: int, ctx: DistContext) -> list[int]:
+    """This rank's sample indices for the sampler's current epoch."""
+    # Trap: DistributedSampler pads with repeated samples so every rank gets as many; they would be
+    # trained twice and counted twice in metrics. The real ones come first: keep only those.
+    return list(sampler)[: len(range(ctx.rank, dataset_len, ctx.world_size))]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (every device), Python's random and numpy."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+
+
+def check_datasets_agree(train_set: Dataset, eval_set: Dataset | None, ctx: DistContext) -> None:
+    """Every rank built its own datasets: a cheap check that they are the same (their lengths)."""
+    if not ctx.distributed:
         return
-    on_gpu = ctx.device.type == "cuda"
-    if workers < 0:
-        workers = min(4, max(1, _cores() // ctx.local_world_size - 1)) if on_gpu else 0
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=indices, num_workers=workers, pin_memory=on_gpu)
-    for batch in loader:
-        yield tuple(t.to(ctx.device, non_blocking=True) for t in batch)
+    sizes = [len(train_set), len(eval_set) if eval_set is not None else 0]
+    both = torch.tensor(sizes + [-n for n in sizes], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ctx.control_group)  # largest, and minus the smallest
+    (most_train, most_eval), (least_train, least_eval) = both[:2].int().tolist(), (-both[2:]).int().tolist()
+    if (most_train, most_eval) != (least_train, least_eval):
+        fail(f"the ranks built different datasets ({least_train} to {most_train} training samples, {least_eval} to "
+             f"{most_eval} evaluation samples): build_datasets must give every rank the same data (split with a "
+             "seeded generator, from storage every node sees)", ctx=ctx)
 
 
 def place_dataset(dataset: Dataset, ctx: DistContext) -> Dataset:
@@ -398,19 +560,27 @@ def bf16_allreduce_hook(process_group, bucket):
     return future.then(decompress)
 
 
-def warm_up_ddp(ddp_model: nn.Module, train_set: Dataset, args, ctx: DistContext) -> None:
-    """One forward/backward before training, its gradients thrown away. DDP all-reduces its first
-    backward differently from every later one (it rebuilds its buckets in between); with more than
-    two ranks that changes the rounding, so without this the first step after a resume would not be
-    bit-identical to the same step of an uninterrupted run. Eval mode: BatchNorm statistics and the
-    dropout RNG stay untouched."""
-    if not ctx.distributed:
-        return
-    ddp_model.eval()
-    x, y = next(batches(train_set, list(range(min(args.batch_size, len(train_set)))), args.batch_size, ctx))
-    F.cross_entropy(ddp_model(x).float(), y).backward()
-    ddp_model.zero_grad(set_to_none=True)
-    ddp_model.train()
+def zero_gradient_backward(ddp_model: DDP) -> None:
+    """DDP: a forward and backward through DDP that touches no data and contributes zero gradients,
+    so this rank takes part in the step's gradient all-reduce when it has no sample of its own.
+    The model's forward is swapped for one that uses every parameter and no randomness."""
+    module = ddp_model.module
+    params = [p for p in module.parameters() if p.requires_grad]
+    module.forward = lambda *_: sum(p.sum() for p in params) * 0.0
+    try:
+        ddp_model().backward()
+    finally:
+        del module.forward  # back to the class's own forward
+
+
+def warm_up_ddp(ddp_model: nn.Module, ctx: DistContext) -> None:
+    """DDP all-reduces its first backward differently from every later one (it rebuilds its buckets
+    in between); with more than two ranks that changes the rounding, so without a warm-up the first
+    step after a resume would not be bit-identical to the same step of an uninterrupted run. One
+    zero-gradient backward, before training: no data, no RNG, no BatchNorm statistics touched."""
+    if ctx.distributed:
+        zero_gradient_backward(ddp_model)
+        ddp_model.zero_grad(set_to_none=True)
 
 
 def build_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -461,6 +631,9 @@ def save_checkpoint(state: dict, out_dir: str, ctx: DistContext) -> None:
     """Rank 0 writes checkpoint.pt; the one before it stays as checkpoint.prev.pt."""
     # Each rank's RNG state, gathered so a resumed run draws the same random numbers.
     rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if numpy is not None:
+        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+        rng["numpy"] = [kind, keys.tolist(), pos, has_gauss, gauss]  # plain values: weights_only loads them
     if ctx.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(ctx.device)
     rng_states = [rng]
@@ -531,20 +704,29 @@ def check_resumable(ckpt: dict, config: dict, path: str, ctx: DistContext) -> No
 
 
 class StopSignal:
-    """Remembers SIGTERM / SIGUSR1 (what torchrun, Kubernetes and SLURM's --signal send).
+    """Remembers SIGTERM / SIGUSR1 (what torchrun, Kubernetes and SLURM's --signal send) and Ctrl-C.
     The handler runs no collective (trap: a collective inside a handler deadlocks); instead
     should_stop() is called by every rank at every optimizer step and returns the same answer
     on all of them. The agreement lags one step: each call starts an all-reduce (MAX) of this
-    rank's flag and reads the one started a step earlier, so it never waits on the network."""
+    rank's flag and reads the one started a step earlier, so it never waits on the network.
+    A second Ctrl-C, a second or more after the first, stops at once without saving."""
 
     def __init__(self, ctx: DistContext):
-        self.ctx, self.received, self.pending = ctx, 0, None
+        self.ctx, self.received, self.received_at, self.pending = ctx, 0, 0.0, None
         self.flag = torch.zeros(1)
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame):
-        self.received = signum
+        # A launcher that forwards the terminal's Ctrl-C delivers it twice within moments: once.
+        if signum == signal.SIGINT and self.received == signal.SIGINT and time.monotonic() - self.received_at > 1.0:
+            raise KeyboardInterrupt
+        if not self.received:
+            self.received, self.received_at = signum, time.monotonic()
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_INTERRUPTED if self.received == signal.SIGINT else EXIT_PREEMPTED
 
     def should_stop(self) -> bool:
         if not self.ctx.distributed:
@@ -584,16 +766,14 @@ def autocast(args, ctx: DistContext):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, eval_set: Dataset, args, ctx: DistContext) -> tuple[float, float, int]:
+def evaluate(model: nn.Module, loader: Loader, args, ctx: DistContext) -> tuple[float, float, int]:
     """(loss, accuracy, samples) over the whole eval set, each sample counted exactly once.
     Runs the unwrapped model: DDP's forward may sync, and no collective runs until the end."""
     model.eval()
-    sampler = DistributedSampler(eval_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
-    # Trap: DistributedSampler pads with repeated samples so every rank gets the same count;
-    # the real ones come first on each rank, so keep only those.
-    indices = list(sampler)[: len(range(ctx.rank, len(eval_set), ctx.world_size))]
+    sampler = DistributedSampler(loader.dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
+    indices = my_share(sampler, len(loader.dataset), ctx)
     totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, samples
-    for x, y in batches(eval_set, indices, args.batch_size, ctx, args.workers):
+    for x, y in loader.batches(indices, EVAL_EPOCH):
         with autocast(args, ctx):
             logits = model(x)
         totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
@@ -604,17 +784,21 @@ def evaluate(model: nn.Module, eval_set: Dataset, args, ctx: DistContext) -> tup
     return loss_sum / count, correct / count, int(count)
 
 
-def train(args, ctx: DistContext) -> int:
+def train(args, ctx: DistContext, stop: StopSignal) -> int:
     """Train; return the process exit code (0, or EXIT_PREEMPTED after a stop signal)."""
     log = print if ctx.is_main else (lambda *a, **k: None)  # rank 0 speaks for everyone
     if args.sync_bn and ctx.distributed and ctx.device.type != "cuda":
         fail("--sync-bn needs CUDA: torch's SyncBatchNorm has no CPU implementation", ctx=ctx)
-    stop = StopSignal(ctx)
+    # Seeded first, the same on every rank: a split made without its own generator agrees.
+    seed_everything(args.seed)
     train_set, eval_set = (place_dataset(d, ctx) for d in build_datasets(args))
+    check_datasets_agree(train_set, eval_set, ctx)
 
-    # The same initial weights on every rank (DDP also broadcasts rank 0's at wrap time).
-    torch.manual_seed(args.seed)
+    # The same initial weights on every rank (DDP also broadcasts rank 0's at wrap time) ...
+    seed_everything(args.seed)
     model = build_model(args).to(ctx.device)
+    # ... then each rank its own stream for dropout and other randomness in the model.
+    seed_everything(mix_seed(args.seed, RANK_STREAM, ctx.rank))  # DDP: or every rank draws the same masks
     global_batch = args.batch_size * ctx.world_size * args.grad_accum
     lr = args.lr * (ctx.world_size * args.grad_accum if args.scale_lr else 1)
     optimizer = build_optimizer(model, lr)
@@ -622,7 +806,7 @@ def train(args, ctx: DistContext) -> int:
     # DDP: every rank reads its own shard of the data. In one process the same sampler hands
     # out everything, in the same order as the union of N ranks.
     sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed)
-    steps_per_epoch = math.ceil(len(sampler) / (args.batch_size * args.grad_accum))
+    steps_per_epoch = math.ceil(len(train_set) / global_batch)
     scheduler = build_scheduler(optimizer, args.warmup_steps, args.epochs * steps_per_epoch)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")
 
@@ -634,41 +818,46 @@ def train(args, ctx: DistContext) -> int:
     metrics_path = start_metrics_file(args.out_dir, progress, ctx)
 
     ddp_model = wrap_model(model, args, ctx)
-    warm_up_ddp(ddp_model, train_set, args, ctx)
+    warm_up_ddp(ddp_model, ctx)
     forward = torch.compile(ddp_model) if args.compile else ddp_model
     log(f"{PROG}: {ctx.launcher}, world size {ctx.world_size} ({ctx.local_world_size}/node), "
         f"{ctx.backend if ctx.distributed else 'no process group'}, {ctx.device}, "
         f"{torch.get_num_threads()} thread(s)/process")
+    eval_size = len(eval_set) if eval_set is not None else 0
     log(f"global batch {global_batch} = {args.batch_size}/process x {ctx.world_size} x {args.grad_accum} accum, "
-        f"lr {lr:g}, {len(train_set):,} train / {len(eval_set):,} eval samples, {steps_per_epoch} steps/epoch")
+        f"lr {lr:g}, {len(train_set):,} train / {eval_size:,} eval samples, {steps_per_epoch} steps/epoch")
 
     start, stopped, first_step_at, peak = time.perf_counter(), False, None, peak_flops(args, ctx)
+    window_size = args.batch_size * args.grad_accum  # one rank's samples per optimizer step
+    loader = Loader(train_set, args.batch_size, ctx, args.workers, args.seed)
+    eval_loader = Loader(eval_set, args.batch_size, ctx, args.workers, args.seed) if eval_size else None
     while progress.epoch < args.epochs and not stopped:
         sampler.set_epoch(progress.epoch)  # Trap: without it every epoch reuses the same shuffle
-        indices = list(sampler)
-        n_micro = math.ceil(len(indices) / args.batch_size)
+        mine = my_share(sampler, len(train_set), ctx)
         # Mid-epoch resume: the batches already trained are skipped without being loaded.
-        first_micro = progress.step_in_epoch * args.grad_accum
-        micro_batches = batches(train_set, indices[first_micro * args.batch_size :], args.batch_size, ctx, args.workers)
+        first = progress.step_in_epoch
+        micro_batches = loader.batches(mine[first * window_size :], progress.epoch)
         local_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)  # summed on the device:
         local_samples, epoch_start, samples_before = 0, time.perf_counter(), progress.samples  # no sync per step
-        for micro, (x, y) in enumerate(micro_batches, start=first_micro):
-            # Each loss is divided by the samples of its whole accumulation window, so every window,
-            # a short last one too, yields the gradient of the mean over exactly its samples.
-            window_start = micro - micro % args.grad_accum
-            window_end = min(window_start + args.grad_accum, n_micro)
-            window_samples = min(window_end * args.batch_size, len(indices)) - window_start * args.batch_size
-            last_micro = micro + 1 == window_end
-            # DDP: all-reduce gradients only on the last micro-batch of the window.
-            sync = contextlib.nullcontext() if last_micro or not ctx.distributed else ddp_model.no_sync()
-            with sync:
-                with autocast(args, ctx):
-                    loss_sum = F.cross_entropy(forward(x).float(), y, reduction="sum")
-                scaler.scale(loss_sum / window_samples).backward()
-            local_loss += loss_sum.detach()
-            local_samples += len(y)
-            if not last_micro:
-                continue
+        for window in range(first, steps_per_epoch):
+            # Step `window` trains the samples at global positions [window, window + 1) x global batch
+            # of the epoch's order, however they are split into ranks and micro-batches. The ranks
+            # may hold different numbers of them in the last step (or none): each loss is scaled so
+            # that DDP's average over ranks is the mean over exactly the step's samples.
+            step_samples = min(len(train_set), (window + 1) * global_batch) - window * global_batch
+            n_micro = max(0, min(args.grad_accum, math.ceil((len(mine) - window * window_size) / args.batch_size)))
+            for micro in range(n_micro):
+                x, y = next(micro_batches)
+                # DDP: all-reduce gradients only on the last micro-batch of the step.
+                sync = contextlib.nullcontext() if micro == n_micro - 1 or not ctx.distributed else ddp_model.no_sync()
+                with sync:
+                    with autocast(args, ctx):
+                        loss_sum = F.cross_entropy(forward(x).float(), y, reduction="sum")
+                    scaler.scale(loss_sum * (ctx.world_size / step_samples)).backward()
+                local_loss += loss_sum.detach()
+                local_samples += len(y)
+            if n_micro == 0:  # DDP: nothing left for this rank in this step, but it must join the all-reduce
+                zero_gradient_backward(ddp_model)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -701,8 +890,8 @@ def train(args, ctx: DistContext) -> int:
         train_time = time.perf_counter() - epoch_start
         record = {"epoch": progress.epoch + 1, "train_loss": progress.loss_sum / progress.samples,
                   "eval_loss": None, "eval_accuracy": None, "eval_samples": 0}
-        if len(eval_set):
-            record["eval_loss"], record["eval_accuracy"], record["eval_samples"] = evaluate(model, eval_set, args, ctx)
+        if eval_size:
+            record["eval_loss"], record["eval_accuracy"], record["eval_samples"] = evaluate(model, eval_loader, args, ctx)
         samples_per_sec = (progress.samples - samples_before) / train_time
         if peak:  # model FLOPs utilisation: achieved training FLOP/s over all GPUs' peak
             record["mfu"] = samples_per_sec * flops_per_sample(model) / peak
@@ -719,7 +908,7 @@ def train(args, ctx: DistContext) -> int:
     stop.close()
     if stopped:
         log(f"stopped by a signal at step {progress.step}: {os.path.join(args.out_dir, 'checkpoint.pt')} saved; "
-            f"rerun the same command to continue (exit code {EXIT_PREEMPTED})")
+            f"rerun the same command to continue (exit code {stop.exit_code})")
     elif ctx.is_main:
         # Trap: save the raw module; DDP would prefix every key with "module.", torch.compile with "_orig_mod.".
         atomic_save(model.state_dict(), os.path.join(args.out_dir, "model.pt"))
@@ -727,7 +916,7 @@ def train(args, ctx: DistContext) -> int:
             f"{time.perf_counter() - start:.1f} s")
     if ctx.distributed:
         dist.barrier()  # the other ranks wait for rank 0's files before anyone leaves
-    return EXIT_PREEMPTED if stopped else 0
+    return stop.exit_code if stopped else 0
 
 
 def resume(args, ctx: DistContext, config: dict, steps_per_epoch: int, model, optimizer, scheduler, scaler) -> Progress:
@@ -747,7 +936,7 @@ def resume(args, ctx: DistContext, config: dict, steps_per_epoch: int, model, op
         if ckpt["world_size"] == ctx.world_size:
             restore_rng(ckpt["rng"][ctx.rank], ctx)
         else:  # no saved stream fits a new world size: a fresh, deterministic one per rank
-            torch.manual_seed(args.seed + 1000 * progress.step + ctx.rank)
+            seed_everything(mix_seed(args.seed, RANK_STREAM, ctx.rank, progress.step))
         if ctx.is_main:
             where = ("the end of training" if progress.epoch >= args.epochs else
                      f"epoch {progress.epoch + 1}, step {progress.step_in_epoch}/{steps_per_epoch}")
@@ -804,6 +993,9 @@ def checkpoint_state(model, optimizer, scheduler, scaler, progress: Progress, co
 def restore_rng(rng: dict, ctx: DistContext) -> None:
     random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in rng["python"]))
     torch.set_rng_state(rng["torch"].cpu())
+    if numpy is not None and "numpy" in rng:
+        kind, keys, pos, has_gauss, gauss = rng["numpy"]
+        numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, gauss))
     if "cuda" in rng and ctx.device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"].cpu(), ctx.device)
 
@@ -848,12 +1040,18 @@ def log_epoch(record: dict, args, metrics_path: str, ctx: DistContext) -> None:
 def run(args) -> int:
     """One process's whole life: join, train, leave."""
     ctx = init_distributed(args)
+    stop = StopSignal(ctx)
     try:
-        return train(args, ctx)
+        return train(args, ctx, stop)
     except BaseException as exc:
         # The traceback keeps train()'s frame, and with it the DDP model, alive: drop those
         # locals so teardown below can release the model before the process group.
         traceback.clear_frames(exc.__traceback__)
+        if isinstance(exc, KeyboardInterrupt) or (stop.received == signal.SIGINT and lost_a_peer(exc)):
+            if ctx.is_main:  # every rank got the Ctrl-C; one line says it
+                print(f"{PROG}: stopped by a second Ctrl-C, without saving; rerun the same command to continue "
+                      "from the last checkpoint", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_INTERRUPTED) from None
         if ctx.distributed and lost_a_peer(exc):  # say what happened, not where we were waiting
             reason = str(exc).strip().splitlines()[0]
             fail(f"rank {ctx.rank} lost contact with another process (it crashed, was killed, or its node left "
@@ -871,6 +1069,9 @@ def lost_a_peer(exc: BaseException) -> bool:
 def _spawn_worker(local_rank: int, args) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
                       WORLD_SIZE=str(args.spawn), LOCAL_WORLD_SIZE=str(args.spawn))
+    # A spawned process inherits "spawn" as its default start method, so its DataLoader workers would
+    # each start a fresh interpreter; give it the platform's default, as a torchrun worker has.
+    mp.set_start_method(None, force=True)
     code = run(args)
     if code:
         raise SystemExit(code)
@@ -888,7 +1089,7 @@ def spawn_workers(args) -> int:
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: [os.kill(p.pid, signum) for p in context.processes if p.is_alive()])
     try:
-        while not context.join():
+        while not context.join(grace_period=15):  # after a failure the others get 15 s to end on their own
             pass
     except mp.ProcessExitedException as exc:
         return exc.exit_code if exc.exit_code > 0 else 1

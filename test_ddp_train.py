@@ -1,17 +1,12 @@
-"""Tests for ddp_train.py: the real script, in real processes, with real process groups
-(gloo on CPU). Every launch has a hard timeout that kills its whole process group."""
+"""Tests for ddp_train.py: the real script, in real processes, with real process groups (gloo on
+CPU), organised by feature. The launch harness is in conftest.py."""
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import re
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,185 +15,21 @@ import torch
 import torch.nn.functional as F
 
 import ddp_train
+from conftest import (CORES, HAS_CUDA, PY, ROOT, RUN_MULTI, SCRIPT, Launch, Result, assert_only_rank0_files,
+                      assert_same_run, assert_same_weights, clean_env, default_args, finish, free_port, last_line,
+                      node_env, python_cmd, resumed_at, run, sh, start_nodes, torchrun_cmd, wait_for_checkpoint,
+                      worker_pids)
 
-ROOT = Path(__file__).resolve().parent
-SCRIPT = str(ROOT / "ddp_train.py")
-PY = sys.executable
-TIMEOUT = 150  # seconds for any one launch; a hang fails fast instead of eating CI
 # A small workload: 2 epochs, 32 samples per process and step. 1000 divides by 2 and 4
-# processes (no sampler padding), and not by the global batch (a short last step).
+# processes, and not by the global batch (a short last step).
 SMALL = ["--num-samples", "1000", "--eval-samples", "301", "--epochs", "2", "--batch-size", "32"]
-HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
-
-
-# ---------------------------------------------------------------------------
-# The shared launcher
-# ---------------------------------------------------------------------------
-
-
-def clean_env(**extra) -> dict:
-    """The test's environment without any launcher's variables, plus `extra`."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in
-           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def free_port(low=None, high=None) -> int:
-    """A port nobody listens on: the kernel's pick, or a random one in [low, high)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", random.randrange(low, high) if low else 0))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise RuntimeError("no free port")
-
-
-class Launch:
-    """A command started in its own session (process group), output to files. Use as a context
-    manager: on exit the whole group is killed, whatever happened."""
-
-    def __init__(self, cmd, log_dir: Path, name="run", env=None, cwd=None):
-        self.cmd, self.out_path, self.err_path = [str(c) for c in cmd], log_dir / f"{name}.out", log_dir / f"{name}.err"
-        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=err, env=env or clean_env(),
-                                         cwd=cwd or ROOT, start_new_session=True)
-
-    @property
-    def stdout(self) -> str:
-        return self.out_path.read_text()
-
-    @property
-    def stderr(self) -> str:
-        return self.err_path.read_text()
-
-    def wait(self, timeout=TIMEOUT) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"timed out after {timeout}s: {' '.join(self.cmd)}\n{self.stdout}\n{self.stderr}")
-
-    def kill(self):
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-
-    def wait_for(self, predicate, what: str, timeout=TIMEOUT):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if self.proc.poll() is not None:
-                pytest.fail(f"exited ({self.proc.returncode}) before {what}\n{self.stdout}\n{self.stderr}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"no {what} within {timeout}s\n{self.stdout}\n{self.stderr}")
-            time.sleep(0.005)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.kill()
-
-
-def finish(nodes, timeout=TIMEOUT):
-    """Wait for every launch; kill them all afterwards, whatever happened."""
-    try:
-        return [n.wait(timeout) for n in nodes]
-    finally:
-        for n in nodes:
-            n.kill()
-
-
-class Result:
-    def __init__(self, launch: Launch, out_dir: Path):
-        self.returncode, self.stdout, self.stderr, self.out_dir = launch.proc.returncode, launch.stdout, launch.stderr, out_dir
-
-    @property
-    def metrics(self) -> list[dict]:
-        return [json.loads(line) for line in (self.out_dir / "metrics.jsonl").read_text().splitlines()]
-
-    @property
-    def weights(self) -> dict:
-        return torch.load(self.out_dir / "model.pt", weights_only=True)
-
-    def __repr__(self):
-        return f"exit {self.returncode}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
-
-
-def python_cmd(*args):
-    return [PY, SCRIPT, *args]
-
-
-def torchrun_cmd(nproc, *args, launcher_args=()):
-    return [PY, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-            "--rdzv-endpoint=localhost:0", *launcher_args, SCRIPT, *args]
-
-
-def run(cmd, tmp_path: Path, out="out", name=None, env=None, cwd=None, timeout=TIMEOUT, expect=0) -> Result:
-    """Launch `cmd` (ddp_train.py's args get --out-dir tmp_path/out), wait, check the exit code."""
-    out_dir = tmp_path / out
-    name = name or out
-    with Launch([*cmd, "--out-dir", out_dir], tmp_path, name, env=env, cwd=cwd) as launch:
-        launch.wait(timeout)
-    result = Result(launch, out_dir)
-    if expect is not None:
-        assert result.returncode == expect, result
-    return result
-
-
-def assert_same_weights(a: dict, b: dict, exact=False):
-    assert a.keys() == b.keys()
-    for k in a:
-        if exact:
-            assert torch.equal(a[k], b[k]), f"{k} differs (max {(a[k] - b[k]).abs().max():.3g})"
-        else:
-            assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5), f"{k} differs by up to {(a[k] - b[k]).abs().max():.3g}"
-
-
-def assert_same_run(a: dict, b: dict):
-    """The same training run up to float rounding, for long runs that change how the global batch
-    is split: AdamW amplifies rounding on units whose gradients are nearly zero, so single elements
-    may drift by ~1e-4 while every tensor stays within 1e-4 relative norm. A resume that is one
-    batch off lands near 3e-2."""
-    for k in a:
-        assert (a[k] - b[k]).norm() <= 1e-3 * b[k].norm(), f"{k} differs by {(a[k] - b[k]).norm() / b[k].norm():.2g} (relative norm)"
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """reference(cmd): the Result of a run that several tests compare against, made once per module."""
-    made = {}
-
-    def get(cmd):
-        key = tuple(map(str, cmd))
-        if key not in made:
-            made[key] = run(cmd, tmp_path_factory.mktemp("reference"))
-        return made[key]
-
-    return get
-
-
-def default_args(*argv):
-    return ddp_train.parse_args(list(argv))
-
-
-def assert_only_rank0_files(out_dir: Path):
-    assert sorted(p.name for p in out_dir.iterdir()) == sorted(["checkpoint.pt", "checkpoint.prev.pt", "metrics.jsonl", "model.pt"])
+multinode = pytest.mark.multinode
 
 
 # ---------------------------------------------------------------------------
 # Launch modes: each completes and writes model.pt once
 # ---------------------------------------------------------------------------
-
-
-CORES = len(os.sched_getaffinity(0))
 
 
 def check_completed_run(r: Result, world_size: int, launcher: str):
@@ -366,6 +197,116 @@ def test_eval_counts_each_sample_once_with_uneven_split(tmp_path):
 
 
 # ---------------------------------------------------------------------------
+# Your data: a user's own Dataset (examples/digits.py) with random augmentation, DataLoader
+# workers, BatchNorm and Dropout, and an odd number of training samples (1437)
+# ---------------------------------------------------------------------------
+
+# 1 process x 16: 90 steps per epoch; 2 x 16: 45 (in the last one rank 1 holds 13 samples).
+DIGITS = ["--epochs", "2", "--batch-size", "16", "--save-every", "10"]
+
+
+def digits_cmd(project: Path, launcher: str, *args, script="stopper.py", launcher_args=()):
+    script = str(project / script)
+    if launcher == "torchrun":
+        return torchrun_cmd(2, *DIGITS, *args, script=script, launcher_args=launcher_args)
+    return python_cmd(*DIGITS, *args, *(["--spawn", "2"] if launcher == "spawn" else []), script=script)
+
+
+@pytest.mark.parametrize("launcher, workers, stop, stop_code", [
+    # One process. A terminal or scancel signals the whole process group, DataLoader workers too.
+    ("python", 2, dict(STOP_SIGNAL="TERM", STOP_TARGET="group", STOP_AT=30), 75),
+    # SLURM's SIGUSR1 in the last step of epoch 1: the stop lands on the epoch boundary.
+    ("python", 0, dict(STOP_SIGNAL="USR1", STOP_AT=90), 75),
+    # Ctrl-C to the whole group of --spawn 2: the parent forwards it too, and each rank stops once.
+    ("spawn", 2, dict(STOP_SIGNAL="INT", STOP_TARGET="group", STOP_AT=20), 130),
+    # SIGTERM to torchrun, which passes it on to every worker's process group.
+    ("torchrun", 2, dict(STOP_SIGNAL="TERM", STOP_TARGET="parent", STOP_AT=20), 1),
+    # kill -9 of rank 1 in the first step of epoch 2; torchrun restarts both, from the epoch boundary.
+    ("torchrun", 0, dict(STOP_SIGNAL="KILL", STOP_RANK=1, STOP_AT=46), 0),
+], ids=["python-workers2-TERM-group", "python-USR1-epoch-end", "spawn-workers2-Ctrl-C",
+        "torchrun-workers2-TERM", "torchrun-kill9-epoch-boundary"])
+def test_user_dataset_resumes_bit_identical_with_augmentation_dropout_and_workers(
+        project, tmp_path, reference, launcher, workers, stop, stop_code):
+    # The uninterrupted run loads in the training process (--workers 0); the interrupted one as
+    # the case says. Augmentation, dropout and BatchNorm must come out bit for bit the same.
+    world = "python" if launcher == "python" else "torchrun"
+    expected = reference(digits_cmd(project, world))
+    out = tmp_path / "out"
+    restarts = ["--max-restarts=1"] if stop["STOP_SIGNAL"] == "KILL" else []
+    extra = ["--save-every", "0"] if restarts else []
+    first = run(digits_cmd(project, launcher, "--workers", workers, *extra, launcher_args=restarts), tmp_path,
+                env=clean_env(**stop), expect=stop_code)
+    if restarts:  # torchrun restarted the workers, which resumed at the start of epoch 2
+        assert "resumed from" in first.stdout and resumed_at(first.stdout) == (0, 45), first
+        final = first
+    else:
+        m = re.search(r"stopped by a signal at step (\d+)", first.stdout)
+        assert m, first
+        if launcher != "torchrun":  # (torchrun prints its own report of the stopped workers)
+            assert "Traceback" not in first.stderr and "DataLoader worker" not in first.stderr, first
+        final = run(digits_cmd(project, launcher, "--workers", workers), tmp_path)
+        assert resumed_at(final.stdout)[1] == int(m.group(1)), final
+    assert_same_weights(final.weights, expected.weights, exact=True)
+    assert [m["epoch"] for m in final.metrics] == [1, 2]
+    for a, b in zip(final.metrics, expected.metrics):
+        assert a["train_loss"] == b["train_loss"] and a["eval_accuracy"] == b["eval_accuracy"]
+        assert a["train_samples"] == 1437  # each sample once per epoch, none repeated as padding
+
+
+def test_user_dataset_two_ranks_match_one_process_with_augmentation_and_odd_size(project, tmp_path):
+    # A deterministic model (no BatchNorm, no Dropout) on randomly augmented data: 1437 samples
+    # do not divide by 2 ranks, and nothing is padded or dropped.
+    plain = str(project / "plain.py")
+    two = run(torchrun_cmd(2, "--epochs", "2", "--batch-size", "32", script=plain), tmp_path, out="two")
+    one = run(python_cmd("--epochs", "2", "--batch-size", "64", script=plain), tmp_path, out="one")
+    assert_same_weights(two.weights, one.weights)
+    for a, b in zip(two.metrics, one.metrics):
+        assert a["train_samples"] == b["train_samples"] == 1437
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+        assert a["eval_samples"] == b["eval_samples"] == 360
+        assert a["eval_accuracy"] == b["eval_accuracy"]
+
+
+def test_each_rank_draws_its_own_model_randomness(project, tmp_path):
+    # The same initial weights on every rank, but not the same dropout masks.
+    record = tmp_path / "draw"
+    run(digits_cmd(project, "spawn", "--epochs", "1"), tmp_path, env=clean_env(RECORD_RNG=record))
+    rank0, rank1 = (torch.load(f"{record}.{r}", weights_only=True) for r in (0, 1))
+    assert not torch.equal(rank0, rank1)
+
+
+def test_ranks_that_built_different_datasets_stop_with_one_line(project, tmp_path):
+    r = run(digits_cmd(project, "spawn", script="uneven.py"), tmp_path, expect=2)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the ranks built different datasets" in lines[0], r
+    assert not (tmp_path / "out" / "checkpoint.pt").exists()
+
+
+def test_no_eval_set_means_no_evaluation(project, tmp_path):
+    r = run(digits_cmd(project, "python", "--epochs", "1", script="noeval.py"), tmp_path)
+    assert "eval_loss" not in r.stdout and r.metrics[0]["eval_loss"] is None and r.metrics[0]["eval_samples"] == 0
+
+
+def test_second_ctrl_c_stops_at_once_without_saving(project, tmp_path):
+    stop = dict(STOP_SIGNAL="INT", STOP_AT=25, STOP_AGAIN_AFTER=1.5)
+    r = run(digits_cmd(project, "python"), tmp_path, env=clean_env(**stop), expect=130)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "second Ctrl-C" in lines[0] and "Traceback" not in r.stderr, r
+    assert torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)["step"] == 20  # --save-every 10
+
+
+def test_tensor_dataset_subclass_is_read_through_its_own_getitem():
+    class Doubled(torch.utils.data.TensorDataset):  # an augmenting subclass: no fast path for it
+        def __getitem__(self, i):
+            x, y = super().__getitem__(i)
+            return 2 * x, y
+
+    data = Doubled(torch.arange(10.0).unsqueeze(1), torch.arange(10))
+    [(x, y)] = ddp_train.Loader(data, 10, ddp_train.DistContext(), workers=0, seed=0).batches(list(range(10)), 0)
+    assert torch.equal(x.squeeze(1), 2 * torch.arange(10.0)) and torch.equal(y, torch.arange(10))
+
+
+# ---------------------------------------------------------------------------
 # It learns, and it says so clearly
 # ---------------------------------------------------------------------------
 
@@ -434,31 +375,6 @@ FT = ["--num-samples", "8192", "--eval-samples", "256", "--epochs", "2", "--batc
 
 
 FT_TORCHRUN2, FT_PYTHON = torchrun_cmd(2, *FT), python_cmd(*FT)
-
-
-def worker_pids(agent_pid: int) -> dict[int, int]:
-    """{LOCAL_RANK: pid} of the worker processes a torchrun agent started."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == agent_pid:
-                env = dict(kv.split("=", 1) for kv in (proc / "environ").read_text().split("\0") if "=" in kv)
-                found[int(env["LOCAL_RANK"])] = int(proc.name)
-        except (OSError, ValueError, IndexError, KeyError):
-            continue
-    return found
-
-
-def resumed_at(stdout: str) -> tuple[int, int]:
-    """(step within the epoch, optimizer steps done) from the 'resumed from' line."""
-    m = re.search(r"resumed from .* at epoch \d+, step (\d+)/\d+ \((\d+) optimizer steps done", stdout)
-    assert m, stdout
-    return int(m.group(1)), int(m.group(2))
-
-
-def wait_for_checkpoint(launch: Launch, out_dir: Path):
-    launch.wait_for(lambda: (out_dir / "checkpoint.pt").exists(), "first checkpoint")
 
 
 def test_killed_worker_is_restarted_and_ends_bit_identical(tmp_path, reference):
@@ -587,87 +503,6 @@ def test_resume_never_ignores_checkpoint_and_keeps_it_until_its_first_save(tmp_p
 # ---------------------------------------------------------------------------
 # Multi-node: two hosts with their own addresses, in network namespaces
 # ---------------------------------------------------------------------------
-
-RUN_MULTI = str(ROOT / "run_multi_node.sh")
-multinode = pytest.mark.multinode
-
-
-class Host:
-    """One "machine": a network namespace with its own address, interface, hostname and /etc/hosts."""
-
-    def __init__(self, ns, addr, ifname, hostname):
-        self.ns, self.addr, self.ifname, self.hostname = ns, addr, ifname, hostname
-
-    def command(self, *argv, hostname=None):
-        # `ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts; unshare gives a hostname of its own.
-        return ["ip", "netns", "exec", self.ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
-                hostname or self.hostname, *map(str, argv)]
-
-    def kill_all(self):
-        pids = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def sh(*argv):
-    subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30)
-
-
-@pytest.fixture(scope="module")
-def two_hosts():
-    """Two hosts on this machine, joined by a veth pair: traffic stays between them. Deleted
-    afterwards, also when a test fails. Skips where namespaces cannot be made (not root)."""
-    if os.geteuid() != 0 or not all(map(shutil.which, ("ip", "unshare"))):
-        pytest.skip("two hosts need root, iproute2 and unshare (network and UTS namespaces)")
-    tag = f"{os.getpid() % 100000}{random.randrange(100)}"
-    subnet = f"10.231.{random.randrange(1, 255)}"
-    hosts = [Host(f"ddp{tag}n{i}", f"{subnet}.{i + 1}", f"vd{tag}n{i}", f"node{i}") for i in range(2)]
-    try:
-        for h in hosts:
-            sh("ip", "netns", "add", h.ns)
-            os.makedirs(f"/etc/netns/{h.ns}", exist_ok=True)
-            Path(f"/etc/netns/{h.ns}/hosts").write_text(
-                "127.0.0.1 localhost\n" + "".join(f"{x.addr} {x.hostname}\n" for x in hosts))
-        sh("ip", "link", "add", hosts[0].ifname, "type", "veth", "peer", "name", hosts[1].ifname)
-        for h in hosts:
-            sh("ip", "link", "set", h.ifname, "netns", h.ns)
-            sh("ip", "-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
-            sh("ip", "-n", h.ns, "link", "set", h.ifname, "up")
-            sh("ip", "-n", h.ns, "link", "set", "lo", "up")
-    except (subprocess.CalledProcessError, OSError) as exc:
-        remove_hosts(hosts)
-        pytest.skip(f"cannot create network namespaces here: {getattr(exc, 'stderr', None) or exc}")
-    try:
-        yield hosts
-    finally:
-        remove_hosts(hosts)
-
-
-def remove_hosts(hosts):
-    for h in hosts:
-        h.kill_all()
-        subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
-        shutil.rmtree(f"/etc/netns/{h.ns}", ignore_errors=True)
-
-
-def node_env(hosts, node_rank, port, **extra):
-    """run_multi_node.sh's settings for one of the two hosts; `extra` overrides them."""
-    settings = dict(PYTHON=PY, NNODES=2, NODE_RANK=node_rank, MASTER_ADDR=hosts[0].addr, MASTER_PORT=port,
-                    NPROC_PER_NODE=2, IFNAME=hosts[node_rank].ifname, TIMEOUT=30)
-    return clean_env(**{**settings, **extra})
-
-
-def start_nodes(hosts, tmp_path, args, port, name="node", hostname=None, **extra):
-    return [Launch(hosts[i].command(RUN_MULTI, *args, hostname=hostname), tmp_path, f"{name}{i}",
-                   env=node_env(hosts, i, port, **extra)) for i in range(2)]
-
-
-def last_line(text: str) -> str:
-    return text.strip().splitlines()[-1] if text.strip() else ""
-
 
 @multinode
 @pytest.mark.parametrize("rdzv, hostname", [("c10d", None), ("static", None), ("c10d", "localhost")],
@@ -806,8 +641,8 @@ def test_dataloader_path_yields_the_same_batches_as_the_in_memory_path():
     train_set, _ = ddp_train.build_datasets(default_args("--num-samples", "100"))
     indices = torch.randperm(100).tolist()
     ctx = ddp_train.DistContext()
-    fast = list(ddp_train.batches(train_set, indices, 32, ctx))
-    slow = list(ddp_train.batches(Wrapped(train_set), indices, 32, ctx, workers=0))
+    fast = list(ddp_train.Loader(train_set, 32, ctx, workers=0, seed=0).batches(indices, epoch=0))
+    slow = list(ddp_train.Loader(Wrapped(train_set), 32, ctx, workers=0, seed=0).batches(indices, epoch=0))
     assert [len(b[0]) for b in fast] == [32, 32, 32, 4]
     assert all(torch.equal(a, b) for fa, sl in zip(fast, slow) for a, b in zip(fa, sl)) and len(fast) == len(slow)
 

@@ -1,0 +1,426 @@
+"""The launch harness for test_ddp_train.py: real processes, each in its own session with a hard
+timeout that kills its whole process group; two hosts made of network namespaces; and a user's
+project directory (ddp_train.py beside examples/digits.py and a few variants of it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddp_train
+
+ROOT = Path(__file__).resolve().parent
+SCRIPT = str(ROOT / "ddp_train.py")
+RUN_MULTI = str(ROOT / "run_multi_node.sh")
+PY = sys.executable
+TIMEOUT = 150  # seconds for any one launch; a hang fails fast instead of eating CI
+HAS_CUDA = torch.cuda.is_available()
+CORES = len(os.sched_getaffinity(0))
+
+
+# ---------------------------------------------------------------------------
+# Launching the script
+# ---------------------------------------------------------------------------
+
+
+def clean_env(**extra) -> dict:
+    """The test's environment without any launcher's variables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in
+           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def free_port(low=None, high=None) -> int:
+    """A port nobody listens on: the kernel's pick, or a random one in [low, high)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", random.randrange(low, high) if low else 0))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port")
+
+
+class Launch:
+    """A command started in its own session (process group), output to files. Use as a context
+    manager: on exit the whole group is killed, whatever happened."""
+
+    def __init__(self, cmd, log_dir: Path, name="run", env=None, cwd=None):
+        self.cmd, self.out_path, self.err_path = [str(c) for c in cmd], log_dir / f"{name}.out", log_dir / f"{name}.err"
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=err, env=env or clean_env(),
+                                         cwd=cwd or ROOT, start_new_session=True)
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_text()
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def wait(self, timeout=TIMEOUT) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"timed out after {timeout}s: {' '.join(self.cmd)}\n{self.stdout}\n{self.stderr}")
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def wait_for(self, predicate, what: str, timeout=TIMEOUT):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if self.proc.poll() is not None:
+                pytest.fail(f"exited ({self.proc.returncode}) before {what}\n{self.stdout}\n{self.stderr}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {what} within {timeout}s\n{self.stdout}\n{self.stderr}")
+            time.sleep(0.005)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+
+
+def finish(nodes, timeout=TIMEOUT):
+    """Wait for every launch; kill them all afterwards, whatever happened."""
+    try:
+        return [n.wait(timeout) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+
+
+class Result:
+    def __init__(self, launch: Launch, out_dir: Path):
+        self.returncode, self.stdout, self.stderr, self.out_dir = launch.proc.returncode, launch.stdout, launch.stderr, out_dir
+
+    @property
+    def metrics(self) -> list[dict]:
+        return [json.loads(line) for line in (self.out_dir / "metrics.jsonl").read_text().splitlines()]
+
+    @property
+    def weights(self) -> dict:
+        return torch.load(self.out_dir / "model.pt", weights_only=True)
+
+    def __repr__(self):
+        return f"exit {self.returncode}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+
+def python_cmd(*args, script=SCRIPT):
+    return [PY, script, *args]
+
+
+def torchrun_cmd(nproc, *args, launcher_args=(), script=SCRIPT):
+    return [PY, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=localhost:0", *launcher_args, script, *args]
+
+
+def run(cmd, tmp_path: Path, out="out", name=None, env=None, cwd=None, timeout=TIMEOUT, expect=0) -> Result:
+    """Launch `cmd` (ddp_train.py's args get --out-dir tmp_path/out), wait, check the exit code."""
+    out_dir = tmp_path / out
+    name = name or out
+    with Launch([*cmd, "--out-dir", out_dir], tmp_path, name, env=env, cwd=cwd) as launch:
+        launch.wait(timeout)
+    result = Result(launch, out_dir)
+    if expect is not None:
+        assert result.returncode == expect, result
+    # The classic gloo abort at exit (the process group torn down before the DDP model) must never show.
+    assert "terminate called" not in result.stderr, result
+    return result
+
+
+def assert_same_weights(a: dict, b: dict, exact=False):
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), f"{k} differs (max {(a[k] - b[k]).abs().max():.3g})"
+        else:
+            assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5), f"{k} differs by up to {(a[k] - b[k]).abs().max():.3g}"
+
+
+def assert_same_run(a: dict, b: dict):
+    """The same training run up to float rounding, for long runs that change how the global batch
+    is split: AdamW amplifies rounding on units whose gradients are nearly zero, so single elements
+    may drift by ~1e-4 while every tensor stays within 1e-4 relative norm. A resume that is one
+    batch off lands near 3e-2."""
+    for k in a:
+        assert (a[k] - b[k]).norm() <= 1e-3 * b[k].norm(), f"{k} differs by {(a[k] - b[k]).norm() / b[k].norm():.2g} (relative norm)"
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """reference(cmd): the Result of a run that several tests compare against, made once per session."""
+    made = {}
+
+    def get(cmd):
+        key = tuple(map(str, cmd))
+        if key not in made:
+            made[key] = run(cmd, tmp_path_factory.mktemp("reference"))
+        return made[key]
+
+    return get
+
+
+def default_args(*argv):
+    return ddp_train.parse_args(list(argv))
+
+
+def assert_only_rank0_files(out_dir: Path):
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(["checkpoint.pt", "checkpoint.prev.pt", "metrics.jsonl", "model.pt"])
+
+
+# ---------------------------------------------------------------------------
+# Fault tolerance helpers
+# ---------------------------------------------------------------------------
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """{LOCAL_RANK: pid} of the worker processes a torchrun agent started."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == agent_pid:
+                env = dict(kv.split("=", 1) for kv in (proc / "environ").read_text().split("\0") if "=" in kv)
+                found[int(env["LOCAL_RANK"])] = int(proc.name)
+        except (OSError, ValueError, IndexError, KeyError):
+            continue
+    return found
+
+
+def resumed_at(stdout: str) -> tuple[int, int]:
+    """(step within the epoch, optimizer steps done) from the 'resumed from' line."""
+    m = re.search(r"resumed from .* at epoch \d+, step (\d+)/\d+ \((\d+) optimizer steps done", stdout)
+    assert m, stdout
+    return int(m.group(1)), int(m.group(2))
+
+
+def wait_for_checkpoint(launch: Launch, out_dir: Path):
+    launch.wait_for(lambda: (out_dir / "checkpoint.pt").exists(), "first checkpoint")
+
+
+# ---------------------------------------------------------------------------
+# Two hosts: network namespaces with their own address, hostname and /etc/hosts
+# ---------------------------------------------------------------------------
+
+
+class Host:
+    """One "machine": a network namespace with its own address, interface, hostname and /etc/hosts."""
+
+    def __init__(self, ns, addr, ifname, hostname):
+        self.ns, self.addr, self.ifname, self.hostname = ns, addr, ifname, hostname
+
+    def command(self, *argv, hostname=None):
+        # `ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts; unshare gives a hostname of its own.
+        return ["ip", "netns", "exec", self.ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
+                hostname or self.hostname, *map(str, argv)]
+
+    def kill_all(self):
+        pids = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def sh(*argv):
+    subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """Two hosts on this machine, joined by a veth pair: traffic stays between them. Deleted
+    afterwards, also when a test fails. Skips where namespaces cannot be made (not root)."""
+    if os.geteuid() != 0 or not all(map(shutil.which, ("ip", "unshare"))):
+        pytest.skip("two hosts need root, iproute2 and unshare (network and UTS namespaces)")
+    tag = f"{os.getpid() % 100000}{random.randrange(100)}"
+    subnet = f"10.231.{random.randrange(1, 255)}"
+    hosts = [Host(f"ddp{tag}n{i}", f"{subnet}.{i + 1}", f"vd{tag}n{i}", f"node{i}") for i in range(2)]
+    try:
+        for h in hosts:
+            sh("ip", "netns", "add", h.ns)
+            os.makedirs(f"/etc/netns/{h.ns}", exist_ok=True)
+            Path(f"/etc/netns/{h.ns}/hosts").write_text(
+                "127.0.0.1 localhost\n" + "".join(f"{x.addr} {x.hostname}\n" for x in hosts))
+        sh("ip", "link", "add", hosts[0].ifname, "type", "veth", "peer", "name", hosts[1].ifname)
+        for h in hosts:
+            sh("ip", "link", "set", h.ifname, "netns", h.ns)
+            sh("ip", "-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
+            sh("ip", "-n", h.ns, "link", "set", h.ifname, "up")
+            sh("ip", "-n", h.ns, "link", "set", "lo", "up")
+    except (subprocess.CalledProcessError, OSError) as exc:
+        remove_hosts(hosts)
+        pytest.skip(f"cannot create network namespaces here: {getattr(exc, 'stderr', None) or exc}")
+    try:
+        yield hosts
+    finally:
+        remove_hosts(hosts)
+
+
+def remove_hosts(hosts):
+    for h in hosts:
+        h.kill_all()
+        subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
+        shutil.rmtree(f"/etc/netns/{h.ns}", ignore_errors=True)
+
+
+def node_env(hosts, node_rank, port, **extra):
+    """run_multi_node.sh's settings for one of the two hosts; `extra` overrides them."""
+    settings = dict(PYTHON=PY, NNODES=2, NODE_RANK=node_rank, MASTER_ADDR=hosts[0].addr, MASTER_PORT=port,
+                    NPROC_PER_NODE=2, IFNAME=hosts[node_rank].ifname, TIMEOUT=30)
+    return clean_env(**{**settings, **extra})
+
+
+def start_nodes(hosts, tmp_path, args, port, name="node", hostname=None, **extra):
+    return [Launch(hosts[i].command(RUN_MULTI, *args, hostname=hostname), tmp_path, f"{name}{i}",
+                   env=node_env(hosts, i, port, **extra)) for i in range(2)]
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1] if text.strip() else ""
+
+
+# ---------------------------------------------------------------------------
+# A user's project: ddp_train.py beside their own script, as they would have it
+# ---------------------------------------------------------------------------
+
+# Variants of examples/digits.py that tests need, written beside it. Each plugs in as a user
+# would: import ddp_train, replace a function, call ddp_train.main().
+VARIANTS = {
+    # No BatchNorm, no Dropout: a deterministic model, for N x B == 1 x N*B.
+    "plain.py": """
+import sys
+import torch.nn as nn
+import ddp_train
+import digits
+
+
+def build_model(args):
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1, stride=2),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(32 * 4 * 4, 10))
+
+
+ddp_train.build_model = build_model
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # digits.py with a tripwire: at its STOP_AT-th training forward, rank STOP_RANK sends STOP_SIGNAL
+    # to itself, its process group or its parent (STOP_TARGET); STOP_AGAIN_AFTER seconds later, again.
+    # First launches only (not after a torchrun restart). RECORD_RNG=path: each rank writes its
+    # model stream's first draw to path.RANK.
+    "stopper.py": """
+import os
+import signal
+import sys
+import time
+import torch
+import ddp_train
+import digits
+
+calls = 0
+
+
+def tripwire(module, inputs):
+    global calls
+    if not module.training or not inputs:  # evaluation, and DDP's data-free backward, do not count
+        return
+    calls += 1
+    rank = int(os.environ.get("RANK", 0))
+    if calls == 1 and "RECORD_RNG" in os.environ:
+        torch.save(torch.rand(8), f"{os.environ['RECORD_RNG']}.{rank}")
+    if (calls != int(os.environ.get("STOP_AT", 0)) or rank != int(os.environ.get("STOP_RANK", 0))
+            or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"):
+        return
+    sig = getattr(signal, "SIG" + os.environ["STOP_SIGNAL"])
+    for attempt in range(2 if "STOP_AGAIN_AFTER" in os.environ else 1):
+        if attempt:
+            time.sleep(float(os.environ["STOP_AGAIN_AFTER"]))
+        target = os.environ.get("STOP_TARGET", "self")
+        if target == "group":  # what a terminal or scancel does: every process of the group
+            os.killpg(os.getpgid(0), sig)
+        else:
+            os.kill(os.getppid() if target == "parent" else os.getpid(), sig)
+
+
+def build_model(args):
+    model = digits.build_model(args)
+    model.register_forward_pre_hook(tripwire)
+    return model
+
+
+ddp_train.build_model = build_model
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # No evaluation set.
+    "noeval.py": """
+import sys
+import ddp_train
+import digits
+
+
+def build_datasets(args):
+    return digits.build_datasets(args)[0], None
+
+
+ddp_train.build_datasets = build_datasets
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # Rank 1 builds other data than rank 0 (a path that differs per node, say).
+    "uneven.py": """
+import os
+import sys
+from torch.utils.data import Subset
+import ddp_train
+import digits
+
+
+def build_datasets(args):
+    train_set, eval_set = digits.build_datasets(args)
+    if os.environ.get("RANK") == "1":
+        train_set = Subset(train_set, range(len(train_set) - 7))
+    return train_set, eval_set
+
+
+ddp_train.build_datasets = build_datasets
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+}
+
+
+@pytest.fixture(scope="session")
+def project(tmp_path_factory) -> Path:
+    """A user's project directory: a copy of ddp_train.py, examples/digits.py and the VARIANTS."""
+    d = tmp_path_factory.mktemp("project")
+    shutil.copy(SCRIPT, d)
+    shutil.copy(ROOT / "examples" / "digits.py", d)
+    for name, text in VARIANTS.items():
+        (d / name).write_text(text.lstrip())
+    return d
