@@ -4,6 +4,7 @@ project directory (ddp_train.py beside examples/digits.py and a few variants of 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import random
@@ -332,7 +333,7 @@ if __name__ == "__main__":
     # digits.py with a tripwire: at its STOP_AT-th training forward, rank STOP_RANK sends STOP_SIGNAL
     # to itself, its process group or its parent (STOP_TARGET); STOP_AGAIN_AFTER seconds later, again.
     # First launches only (not after a torchrun restart). RECORD_RNG=path: each rank writes its
-    # model stream's first draw to path.RANK.
+    # model stream's first draw to path.RANK. POISON_AT=N: from the Nth training forward on, nan inputs.
     "stopper.py": """
 import os
 import signal
@@ -353,6 +354,8 @@ def tripwire(module, inputs):
     rank = int(os.environ.get("RANK", 0))
     if calls == 1 and "RECORD_RNG" in os.environ:
         torch.save(torch.rand(8), f"{os.environ['RECORD_RNG']}.{rank}")
+    if calls >= int(os.environ.get("POISON_AT", 1 << 30)):  # a diverging run: the inputs turn to nan
+        return (inputs[0] * float("nan"),)
     if (calls != int(os.environ.get("STOP_AT", 0)) or rank != int(os.environ.get("STOP_RANK", 0))
             or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"):
         return
@@ -412,7 +415,207 @@ ddp_train.build_datasets = build_datasets
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
+    # HF-style dict items (with a string field), a model that returns a tuple, and an auxiliary head
+    # that only training uses.
+    "aux.py": """
+import sys
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import ddp_train
+import digits
+
+
+class AsDicts(torch.utils.data.Dataset):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        image, label = self.inner[i]
+        return {"image": image, "label": label, "id": f"digit-{i}"}
+
+
+class WithAuxHead(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.body = digits.build_model(args)
+        self.aux = nn.Linear(self.body[-1].in_features, 10)
+
+    def forward(self, images):
+        features = self.body[:-1](images)
+        return self.body[-1](features), self.aux(features) if self.training else None
+
+
+def build_datasets(args):
+    return tuple(AsDicts(d) for d in digits.build_datasets(args))
+
+
+def compute_loss(model, batch):
+    logits, aux = model(batch["image"])
+    labels = batch["label"]
+    loss = F.cross_entropy(logits, labels, reduction="sum")
+    if aux is not None:
+        loss = loss + 0.3 * F.cross_entropy(aux, labels, reduction="sum")
+    return loss, len(labels), {"accuracy": (logits.argmax(dim=1) == labels).sum()}
+
+
+ddp_train.build_datasets, ddp_train.build_model, ddp_train.compute_loss = build_datasets, WithAuxHead, compute_loss
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # A parameter the forward never uses.
+    "unused.py": """
+import sys
+import torch.nn as nn
+import ddp_train
+import digits
+
+
+class WithSpare(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.net, self.spare = digits.build_model(args), nn.Linear(10, 10)
+
+    def forward(self, images):
+        return self.net(images)
+
+
+ddp_train.build_model = WithSpare
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # Another train/eval split of the same data.
+    "split.py": """
+import sys
+import ddp_train
+import digits
+
+digits.TRAIN_SIZE = 1400
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # Mistakes: per-sample losses instead of their sum (BAD=loss); items that do not batch (BAD=items);
+    # a bug in __getitem__ (BAD=getitem).
+    "bad.py": """
+import os
+import sys
+import torch.nn.functional as F
+import ddp_train
+import digits
+
+
+def compute_loss(model, batch):
+    images, labels = batch
+    return F.cross_entropy(model(images), labels, reduction="none"), len(labels)
+
+
+class Odd:
+    pass
+
+
+class OddItems(digits.Digits):
+    def __getitem__(self, i):
+        return super().__getitem__(i) + (Odd(),)
+
+
+class Buggy(digits.Digits):
+    def __getitem__(self, i):
+        if i == 7:
+            raise ValueError("sample 7 is broken")
+        return super().__getitem__(i)
+
+
+def build_datasets(args):
+    train_set, eval_set = digits.build_datasets(args)
+    kind = OddItems if os.environ["BAD"] == "items" else Buggy
+    return kind(train_set.images, train_set.labels, augment=True), eval_set
+
+
+if os.environ["BAD"] == "loss":
+    ddp_train.compute_loss = compute_loss
+else:
+    ddp_train.build_datasets = build_datasets
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # Rank 0 prepares the data first while the others wait longer than --timeout; checkpoint writes
+    # slower than --timeout (a slow shared filesystem).
+    "patient.py": """
+import os
+import sys
+import time
+import ddp_train
+import digits
+
+
+def build_datasets(args):
+    mark = os.path.join(os.path.dirname(os.path.abspath(args.out_dir)), "prepared")
+    with ddp_train.rank0_first():
+        if os.environ["RANK"] == "0":
+            time.sleep(float(os.environ["PREP_SECONDS"]))
+            open(mark, "w").close()
+        elif not os.path.exists(mark):
+            raise SystemExit("rank 0 has not prepared the data")
+    return digits.build_datasets(args)
+
+
+def slow_save(*args, save=ddp_train.atomic_save, **kwargs):
+    time.sleep(float(os.environ["SAVE_SECONDS"]))
+    save(*args, **kwargs)
+
+
+ddp_train.build_datasets, ddp_train.atomic_save = build_datasets, slow_save
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # One process evaluates a saved model.pt over the whole eval set: python evaluate_saved.py MODEL ARGS...
+    "evaluate_saved.py": """
+import json
+import sys
+import torch
+import ddp_train
+import digits
+
+args = ddp_train.parse_args(sys.argv[2:])
+ddp_train.seed_everything(args.seed)
+_, eval_set = ddp_train.build_datasets(args)
+model = ddp_train.build_model(args)
+model.load_state_dict(torch.load(sys.argv[1], weights_only=True))
+ctx = ddp_train.DistContext()
+print(json.dumps(ddp_train.evaluate(model, ddp_train.Loader(eval_set, args.batch_size, ctx, 0, args.seed), args, ctx)))
+""",
 }
+
+
+MSE_LOSS = '''def compute_loss(model, batch):
+    images, labels = batch
+    outputs = model(images).float()
+    return F.mse_loss(outputs, F.one_hot(labels, 10).float(), reduction="sum") / 10, len(labels)'''
+
+
+def edited_copy(directory: Path) -> Path:
+    """The other way to plug a project in: a copy of ddp_train.py with its three task functions
+    edited, here into digits.py's data and model and a mean-squared-error loss (a regression onto
+    one-hot targets). Returns the copy's path."""
+    script, digits_py = Path(SCRIPT).read_text(), (ROOT / "examples" / "digits.py").read_text()
+    named = {}
+    for node in ast.parse(digits_py).body:
+        name = getattr(node, "name", None) or (isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None))
+        named[name or None] = ast.get_source_segment(digits_py, node)
+    ours = "\n\n\n".join(named[k] for k in ("GLYPHS", "render", "Digits", "build_datasets", "build_model"))
+    ours = "NUM_DIGITS, TRAIN_SIZE = 1797, 1437\n" + ours
+    lines = script.splitlines()
+    spans = sorted((n.lineno, n.end_lineno) for n in ast.parse(script).body
+                   if isinstance(n, ast.FunctionDef) and n.name in ("build_datasets", "build_model", "compute_loss"))
+    text = "\n".join(lines[: spans[0][0] - 1] + [ours, "", "", MSE_LOSS] + lines[spans[-1][1] :]) + "\n"
+    text = text.replace("import torch\n", "import numpy as np\nimport torch\nfrom torch.utils.data import random_split\n", 1)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "ddp_train.py").write_text(text)
+    return directory / "ddp_train.py"
+
 
 
 @pytest.fixture(scope="session")

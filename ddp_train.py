@@ -2,21 +2,23 @@
 
 One file, torch only. Launch it unchanged in any of these ways:
 
-    python ddp_train.py                                  # one process: CPU, or one GPU
+    python ddp_train.py                                  # one process: the CPU, or one GPU
     python ddp_train.py --spawn 2                        # N local processes, no launcher
     torchrun --nproc_per_node=4 ddp_train.py             # one node, 4 processes
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
-             --rdzv-endpoint=HOST0:29500 --rdzv-id=myjob ddp_train.py   # on every node
-    python -m torch.distributed.launch --nproc_per_node=2 ddp_train.py  # legacy launcher
-    srun --ntasks=8 python ddp_train.py                  # SLURM: one task per GPU
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
+             --rdzv-endpoint=HOST0:29500 --rdzv-id=job1 ddp_train.py   # on every node
+    srun --ntasks-per-node=8 --gpus-per-task=1 python ddp_train.py     # SLURM: one task per GPU
+    python -m torch.distributed.launch --nproc_per_node=2 ddp_train.py  # the legacy launcher
 
-To train your model on your data, replace build_datasets() and build_model();
-everything else is the distributed machinery. The steps that exist only because
-of DDP carry a "DDP:" comment, and each classic DDP pitfall a "Trap:" comment
-where it is handled.
+Your task is three functions at the top: build_datasets(), build_model() and compute_loss().
+Edit them here, or import this file from your own script and assign yours (see the README).
 
-Reading order: arguments, how we were launched (init_distributed), data, model,
-checkpoints, the training loop, main().
+Read it top to bottom. First the lesson: your task, the arguments, joining the process group,
+the training loop with the step inside it, evaluation, saving, teardown. Each line that DDP adds
+to a plain single-process loop says "DDP:", and each classic DDP trap "Trap:" where it is handled.
+After the divider comes the machinery that makes real runs survive, one section per feature,
+each with one call site in the lesson: checkpoints and exact resume, preemption, deterministic
+data loading, launcher adapters, upstream workarounds, statistics, and extras.
 """
 
 from __future__ import annotations
@@ -46,265 +48,34 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
 
-try:  # numpy is optional; when present, a Dataset's numpy randomness is seeded like torch's
+try:  # optional; when present, a Dataset's numpy randomness is seeded like torch's
     import numpy
 except ImportError:
     numpy = None
 
 PROG = "ddp_train.py"
-# Exit code after a preemption signal (SIGTERM, SIGUSR1) once the checkpoint is saved.
-# 75 is EX_TEMPFAIL: "try again later", and rerunning the same command continues the run.
-EXIT_PREEMPTED = 75
-EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), after the checkpoint is saved: the shell's convention
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-CHECKPOINT_FORMAT = "ddp_train.checkpoint/1"
-EVAL_EPOCH = -1  # evaluation's own data seeds (see SeededSamples): the same in every epoch
-RANK_STREAM = -2  # mixed with --seed and the rank: each rank's own random stream for the model
-
-# The default task: a synthetic classification problem (see build_datasets).
-IN_FEATURES, NUM_CLASSES, HIDDEN = 32, 10, 256
+IN_FEATURES, NUM_CLASSES, HIDDEN = 32, 10, 256  # the default task (see build_datasets)
 
 
-def fail(message: str, code: int = 2, ctx=None) -> None:
-    """Stop with one clear line on stderr and no traceback. With a ctx, the error is one every
-    rank hits, so only rank 0 prints it."""
-    if ctx is None or ctx.is_main:
-        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
+# ============================================================================
+# Your task: replace these three functions
+# ============================================================================
 
 
-# ---------------------------------------------------------------------------
-# Arguments
-# ---------------------------------------------------------------------------
+def build_datasets(args) -> tuple[Dataset, Dataset | None]:
+    """(train_set, eval_set): map-style Datasets, the same on every rank; eval_set may be None.
 
+    Items may be tensors, numbers or strings, or tuples, lists and dicts of them. Random
+    augmentation in __getitem__ is welcome: each sample's random numbers depend only on
+    (--seed, epoch, sample index), never on workers, world size or where a run resumed.
+    Downloading or preprocessing? One process does it while the others wait, then all read:
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage block
-        fail(f"{message} (see --help)")
+        with rank0_first():         # rank0_first(local=True): the first process of each node
+            prepare(args.data_dir)  # download, unpack, build a cache
 
-
-def _int_at_least(low):
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    return parse
-
-
-def _float_at_least(low, strict=False):
-    def parse(text):
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (strict and value == low):
-            bound = "greater than" if strict else "at least"
-            raise argparse.ArgumentTypeError(f"must be {bound} {low:g}, got {text}")
-        return value
-
-    return parse
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(
-        prog=PROG,
-        description="Reference DistributedDataParallel training script. Launch with python, "
-        "torchrun, torch.distributed.launch, srun, or --spawn N.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    pos, nonneg = _int_at_least(1), _int_at_least(0)
-    g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=pos, default=3, help="passes over the training set")
-    g.add_argument("--batch-size", type=pos, default=64, help="batch size PER PROCESS (global = this x world size x grad-accum)")
-    g.add_argument("--grad-accum", type=pos, default=1, help="micro-batches per optimizer step; gradients are all-reduced only on the last")
-    g.add_argument("--lr", type=_float_at_least(0.0), default=1e-3, help="AdamW learning rate (peak of the warmup + cosine schedule)")
-    g.add_argument("--scale-lr", action="store_true", help="multiply --lr by world size x grad-accum (linear scaling rule: --lr was tuned for one process's batch)")
-    g.add_argument("--warmup-steps", type=nonneg, default=0, help="optimizer steps of linear LR warmup before the cosine decay")
-    g.add_argument("--seed", type=int, default=0, help="seed for the data, the model's initial weights and the shuffle order")
-    g.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off", help="autocast precision; fp16 adds a GradScaler")
-    g.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
-    g.add_argument("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm (statistics over the global batch; needs CUDA)")
-    g.add_argument("--batch-norm", action="store_true", help="give the default model BatchNorm layers")
-    g.add_argument("--peak-tflops", type=_float_at_least(0.0, strict=True), default=None,
-                   help="peak TFLOP/s of one GPU for the MFU figure (default: looked up from the GPU's name)")
-    g.add_argument("--workers", type=_int_at_least(-1), default=-1, help="DataLoader workers per process for datasets that are not in-memory tensors (-1: 0 on CPU, a few on CUDA)")
-
-    g = p.add_argument_group("data")
-    g.add_argument("--num-samples", type=pos, default=32768, help="size of the default synthetic training set")
-    g.add_argument("--eval-samples", type=nonneg, default=4096, help="size of the default synthetic evaluation set (0: no evaluation)")
-
-    g = p.add_argument_group("output and checkpoints")
-    g.add_argument("--out-dir", default="out", help="where rank 0 writes model.pt, checkpoint.pt and metrics.jsonl")
-    g.add_argument("--log-every", type=nonneg, default=0, help="also log the global train loss every N optimizer steps (0: once per epoch)")
-    g.add_argument("--save-every", type=nonneg, default=0, help="also checkpoint every N optimizer steps (0: at each epoch end only)")
-    g.add_argument("--resume", default="auto", help="'auto': continue from OUT_DIR/checkpoint.pt when there is one; 'never': start fresh; or a checkpoint path")
-
-    g = p.add_argument_group("distributed")
-    g.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto", help="process group backend; auto = nccl with CUDA, else gloo")
-    g.add_argument("--init-method", default="env://", help="rendezvous: env:// (MASTER_ADDR/MASTER_PORT), tcp://HOST:PORT or file:///shared/path")
-    g.add_argument("--timeout", type=_float_at_least(0.0, strict=True), default=300.0, help="seconds to wait for peers at init and in any collective before failing")
-    g.add_argument("--spawn", type=nonneg, default=0, help="start N local processes with torch.multiprocessing (no launcher needed)")
-    g.add_argument("--grad-compression", choices=("none", "bf16"), default="none",
-                   help="all-reduce gradients in bfloat16: half the bytes on the wire, but it CHANGES THE NUMERICS "
-                        "(gradients keep 8 bits of mantissa); results no longer match one process exactly")
-    # Legacy `python -m torch.distributed.launch` passes --local-rank=N (older torch: --local_rank N).
-    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None, help="set by torch.distributed.launch; do not pass it yourself")
-    return p.parse_args(argv)
-
-
-# ---------------------------------------------------------------------------
-# How were we launched? One small context for the rest of the script.
-# ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class DistContext:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-    device: torch.device = torch.device("cpu")
-    distributed: bool = False  # False: one process, no process group, same code path
-    launcher: str = "python"
-    backend: str = "none"
-    control_group: object = None  # CPU (gloo) group for small control messages
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07'."""
-    head = re.match(r"[^,\[]*(\[[^\]]*\])?", nodelist).group(0)  # 'gpu[07-09,12]'
-    if "[" not in head:
-        return head
-    prefix, ranges = head[:-1].split("[")
-    return prefix + re.split(r"[,-]", ranges)[0]
-
-
-def _launch_env(args) -> tuple[str, int, int, int, int]:
-    """(launcher, rank, world_size, local_rank, local_world_size) from the environment."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, torch.distributed.launch, --spawn workers
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_rank = int(env.get("LOCAL_RANK", args.local_rank if args.local_rank is not None else 0))
-        launcher = "spawn" if args.spawn else "launch" if args.local_rank is not None else "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
-        return launcher, rank, world, local_rank, int(env.get("LOCAL_WORLD_SIZE", world))
-    # A bare `srun python ddp_train.py`: srun sets SLURM_STEP_NUM_TASKS for its tasks; an sbatch
-    # script running python directly has SLURM_NTASKS too, but it is one process, not a task.
-    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env and int(env["SLURM_NTASKS"]) > 1:
-        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-        env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost"))))
-        # Every task derives the same port from the job id, so two jobs on one node don't collide.
-        env.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        per_node = int(re.match(r"\d*", env.get("SLURM_NTASKS_PER_NODE", "")).group(0) or world)  # "4" or "4(x2)"
-        return "slurm", rank, world, int(env.get("SLURM_LOCALID", 0)), per_node
-    return "python", 0, 1, 0, 1
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _set_threads(local_world_size: int) -> None:
-    """Share the CPU cores between the processes of one node, unless the user chose."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, _cores() // max(1, local_world_size)))
-
-
-def restart_safe_store(args, world: int, timeout: datetime.timedelta):
-    """torchrun's agent keeps one TCPStore for the whole job, and the keys its workers write carry
-    no restart number: after `--max-restarts` restarts the new workers can read the dead ones'
-    addresses and fail to connect (pytorch/pytorch#135712). Give every restart its own namespace.
-    TORCHELASTIC_RESTART_COUNT agrees across the workers of one node; across nodes, launch torchrun
-    with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (run_multi_node.sh does), which gives each restart a
-    fresh store and skips this."""
-    env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or args.init_method != "env://":
-        return None
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world, is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"ddp_train/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
-def init_distributed(args) -> DistContext:
-    """Detect the launcher, pick the device, and join the process group (if there is one)."""
-    launcher, rank, world, local_rank, local_world = _launch_env(args)
-    _set_threads(local_world)
-    ctx = DistContext(rank, local_rank, world, local_world, launcher=launcher)
-
-    has_cuda = torch.cuda.is_available()
-    backend = args.backend if args.backend != "auto" else ("nccl" if has_cuda else "gloo")
-    if backend == "nccl" and not has_cuda:
-        fail("--backend nccl needs CUDA, and this machine has no usable CUDA device; use --backend gloo (or auto)", ctx=ctx)
-    if has_cuda:
-        # DDP: one GPU per process, chosen by LOCAL_RANK, bound before init so nothing lands on GPU 0.
-        visible = torch.cuda.device_count()
-        if local_rank >= visible:
-            fail(
-                f"LOCAL_RANK is {local_rank} but only {visible} CUDA device(s) are visible "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
-                f"start at most {visible} processes per node"
-            )
-        ctx.device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(ctx.device)
-    if world == 1:
-        return ctx  # one process: no process group at all, and every collective below is skipped
-
-    # DDP: join the process group. The timeout turns a missing peer into an error, not a hang.
-    timeout = datetime.timedelta(seconds=args.timeout)
-    try:
-        store = restart_safe_store(args, world, timeout)
-        dist.init_process_group(
-            backend=backend,
-            init_method=None if store else args.init_method,
-            store=store,
-            rank=rank,
-            world_size=world,
-            timeout=timeout,
-            device_id=ctx.device if ctx.device.type == "cuda" else None,
-        )
-    except Exception as exc:  # name what was tried; the launcher has already printed the rest
-        where = args.init_method
-        if where == "env://":
-            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        fail(f"rank {rank} could not join the {world}-process group at {where} within {args.timeout:g}s: {reason}", code=1)
-    ctx.distributed, ctx.backend = True, backend
-    # Control messages (the stop flag, RNG states) go over a CPU group so they never sync a GPU.
-    ctx.control_group = None if backend == "gloo" else dist.new_group(backend="gloo")
-    return ctx
-
-
-def cleanup_distributed(ctx: DistContext) -> None:
-    """Leave the process group. Callers release the DDP model first."""
-    if ctx.distributed and dist.is_initialized():
-        # Trap: destroying the group while DDP's reducer still exists aborts at exit ("terminate
-        # called without an active exception"), so collect the released model first.
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-    """Sum a tensor over all ranks (in place). SUM, never AVG: AVG is unreliable on gloo."""
-    if ctx.distributed:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values
-
-
-# ---------------------------------------------------------------------------
-# Data: replace build_datasets() with your own.
-# ---------------------------------------------------------------------------
-
-
-def build_datasets(args) -> tuple[Dataset, Dataset]:
-    """(train_set, eval_set). The default is a learnable synthetic task needing no download:
-    Gaussian inputs labelled by a fixed random linear "teacher", all generated from --seed."""
+    The default task needs no download: Gaussian inputs labelled by a fixed random linear
+    "teacher", all drawn from --seed.
+    """
     gen = torch.Generator().manual_seed(args.seed)
     teacher = torch.randn(IN_FEATURES, NUM_CLASSES, generator=gen)
 
@@ -312,195 +83,11 @@ def build_datasets(args) -> tuple[Dataset, Dataset]:
         x = torch.randn(n, IN_FEATURES, generator=gen)
         return TensorDataset(x, (x @ teacher).argmax(dim=1))
 
-    return make(args.num_samples), make(args.eval_samples)
-
-
-class Loader:
-    """Batches of a Dataset on the device. Every sample's randomness (augmentation) is a function of
-    (--seed, epoch, sample index) alone, whatever the worker count, world size or resume point."""
-
-    def __init__(self, dataset: Dataset, batch_size: int, ctx: DistContext, workers: int, seed: int):
-        self.dataset, self.batch_size, self.ctx = dataset, batch_size, ctx
-        self.samples, self.plan, self.loader = SeededSamples(dataset, seed), _Plan(), None
-        on_gpu = ctx.device.type == "cuda"
-        if workers < 0:
-            workers = min(4, max(1, _cores() // ctx.local_world_size - 1)) if on_gpu else 0
-        if type(dataset) is not TensorDataset and workers > 0:
-            # Workers started once, not every epoch (persistent); a private generator for the
-            # loader's base seed, because the global one belongs to the model (dropout).
-            self.loader = DataLoader(self.samples, batch_sampler=self.plan, num_workers=workers, persistent_workers=True,
-                                     pin_memory=on_gpu, collate_fn=collate, worker_init_fn=leave_signals_to_trainer,
-                                     generator=torch.Generator())
-
-    def batches(self, indices: list[int], epoch: int):
-        """Yield the samples `indices` in order, batch_size at a time."""
-        if type(self.dataset) is TensorDataset:  # exactly: a subclass may augment in its own __getitem__
-            # In-memory tensors: gather a whole batch with one index op instead of collating samples.
-            tensors = self.dataset.tensors
-            index = torch.as_tensor(indices, dtype=torch.long, device=tensors[0].device)
-            for rows in index.split(self.batch_size):
-                yield tuple(t[rows].to(self.ctx.device, non_blocking=True) for t in tensors)
-            return
-        keys = [(epoch, i) for i in indices]
-        self.plan.batches = [keys[i : i + self.batch_size] for i in range(0, len(keys), self.batch_size)]
-        if self.loader is None:
-            loaded = (load_in_this_process(self.samples, chunk) for chunk in self.plan.batches)
-        else:
-            loaded = iter(self.loader)
-        try:
-            for batch in loaded:
-                yield to_device(batch, self.ctx.device)
-        except BatchError as exc:
-            fail(f"cannot batch the items of {type(self.dataset).__name__}: {str(exc).rsplit('BatchError: ', 1)[-1]}",
-                 ctx=self.ctx)
-
-
-class _Plan:
-    """The batch sampler of a Loader's DataLoader: the batches of the next pass."""
-
-    def __init__(self):
-        self.batches = []
-
-    def __iter__(self):
-        return iter(self.batches)
-
-    def __len__(self):
-        return len(self.batches)
-
-
-def load_in_this_process(samples: Dataset, chunk: list):
-    """One batch loaded here, not in a worker: the training process's own torch stream (dropout)
-    must not see the per-sample seeding, so it is put back afterwards."""
-    state = torch.default_generator.get_state()
-    try:
-        return collate([samples[key] for key in chunk])
-    finally:
-        torch.default_generator.set_state(state)
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-_MASK64 = 2**64 - 1
-
-
-def mix_seed(*parts: int) -> int:
-    """A well-mixed 64-bit seed from integers: the same in every process, machine and version."""
-    h = 0
-    for part in parts:
-        h = _splitmix64(h ^ (part & _MASK64))
-    return h
-
-
-class SeededSamples(Dataset):
-    """The user's Dataset, seeded per sample: before sample i of epoch e loads (its key is (e, i)),
-    torch, random and numpy are seeded from (seed, e, i)."""
-
-    def __init__(self, dataset: Dataset, seed: int):
-        self.dataset, self.seed, self.epoch_seeds = dataset, seed, {}
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, key: tuple[int, int]):
-        epoch, index = key
-        if epoch not in self.epoch_seeds:
-            self.epoch_seeds[epoch] = mix_seed(self.seed, epoch)
-        s = _splitmix64(self.epoch_seeds[epoch] ^ index)
-        torch.default_generator.manual_seed(s)  # not torch.manual_seed: 100x slower, it visits every device
-        random.seed(s)
-        if numpy is not None:
-            numpy.random.seed(s >> 32)
-        return self.dataset[index]
-
-
-def leave_signals_to_trainer(worker_id: int) -> None:
-    """DataLoader worker_init_fn. torchrun, scancel and terminals signal whole process groups, and a
-    worker exits on a SIGTERM its parent did not send, which kills the trainer before it can save.
-    The stop signals are the training process's to handle."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-
-
-class BatchError(TypeError):
-    """Items that default_collate cannot batch (raised in a worker, re-raised in the trainer)."""
-
-
-def collate(items: list):
-    try:
-        return default_collate(items)
-    except (TypeError, RuntimeError) as exc:
-        raise BatchError(f"{last_line(exc)}. __getitem__ should return tensors, numbers or strings, or tuples, "
-                         "lists and dicts of them, with the same shapes for every item") from None
-
-
-def to_device(batch, device: torch.device):
-    """Move a batch to the device: tensors, in any nesting of tuples, lists and dicts."""
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        moved = [to_device(v, device) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # namedtuples too
-    return batch
-
-
-def last_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[-1] if text else type(exc).__name__
-
-
-def my_share(sampler: DistributedSampler, dataset_len: int, ctx: DistContext) -> list[int]:
-    """This rank's sample indices for the sampler's current epoch."""
-    # Trap: DistributedSampler pads with repeated samples so every rank gets as many; they would be
-    # trained twice and counted twice in metrics. The real ones come first: keep only those.
-    return list(sampler)[: len(range(ctx.rank, dataset_len, ctx.world_size))]
-
-
-def seed_everything(seed: int) -> None:
-    """Seed torch (every device), Python's random and numpy."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-    if numpy is not None:
-        numpy.random.seed(seed % 2**32)
-
-
-def check_datasets_agree(train_set: Dataset, eval_set: Dataset | None, ctx: DistContext) -> None:
-    """Every rank built its own datasets: a cheap check that they are the same (their lengths)."""
-    if not ctx.distributed:
-        return
-    sizes = [len(train_set), len(eval_set) if eval_set is not None else 0]
-    both = torch.tensor(sizes + [-n for n in sizes], dtype=torch.float64)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ctx.control_group)  # largest, and minus the smallest
-    (most_train, most_eval), (least_train, least_eval) = both[:2].int().tolist(), (-both[2:]).int().tolist()
-    if (most_train, most_eval) != (least_train, least_eval):
-        fail(f"the ranks built different datasets ({least_train} to {most_train} training samples, {least_eval} to "
-             f"{most_eval} evaluation samples): build_datasets must give every rank the same data (split with a "
-             "seeded generator, from storage every node sees)", ctx=ctx)
-
-
-def place_dataset(dataset: Dataset, ctx: DistContext) -> Dataset:
-    """In-memory tensor datasets move to the GPU once, so batches never cross PCIe. (Data larger
-    than GPU memory belongs in a Dataset that loads on demand: it goes through the DataLoader.)"""
-    if isinstance(dataset, TensorDataset) and ctx.device.type == "cuda":
-        return TensorDataset(*(t.to(ctx.device) for t in dataset.tensors))
-    return dataset
-
-
-# ---------------------------------------------------------------------------
-# Model: replace build_model() with your own.
-# ---------------------------------------------------------------------------
+    return make(args.num_samples), make(args.eval_samples) if args.eval_samples else None
 
 
 def build_model(args) -> nn.Module:
-    """A small MLP classifier for the default task."""
+    """A small MLP classifier for the default task; --batch-norm adds BatchNorm layers."""
     norm = (lambda: nn.BatchNorm1d(HIDDEN)) if args.batch_norm else nn.Identity
     return nn.Sequential(
         nn.Linear(IN_FEATURES, HIDDEN), norm(), nn.ReLU(),
@@ -509,100 +96,498 @@ def build_model(args) -> nn.Module:
     )
 
 
-def flops_per_sample(model: nn.Module) -> float:
-    """Training FLOPs per sample, for the MFU figure: 6 per parameter (2 forward, 4 backward). Exact
-    for the matmuls of dense layers; replace it for convolutions or attention."""
-    return 6.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+def compute_loss(model: nn.Module, batch) -> tuple:
+    """(loss_sum, num_samples) or (loss_sum, num_samples, metric_sums) of one batch, for training
+    and evaluation. loss_sum is the SUM of the batch's per-sample losses and num_samples the number
+    of samples in it: sums make every logged mean exact, whatever the world size. metric_sums are
+    further per-batch sums that evaluation adds up over all ranks and logs as means (eval_accuracy).
+    `batch` is what the DataLoader collated from your items, already on the device."""
+    inputs, targets = batch
+    logits = model(inputs).float()
+    loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+    return loss_sum, len(targets), {"accuracy": (logits.argmax(dim=1) == targets).sum()}
 
 
-# Dense peak TFLOP/s of one GPU, (16-bit tensor cores, fp32), from the datasheets; first match wins.
-GPU_PEAK_TFLOPS = [("H100 PCIe", 756.0, 51.2), ("H100", 989.4, 66.9), ("H200", 989.4, 66.9), ("GH200", 989.4, 66.9),
-                   ("A100", 312.0, 19.5), ("L40S", 362.1, 91.6), ("L4", 121.0, 30.3), ("V100", 125.0, 15.7)]
+# ============================================================================
+# Arguments: the core ones; the machinery adds its own (add_machinery_arguments)
+# ============================================================================
 
 
-def gpu_peak_tflops(device_name: str, amp: str) -> float | None:
-    """Peak TFLOP/s of one GPU at the precision training runs in; None for a GPU not in the table."""
-    for key, half, single in GPU_PEAK_TFLOPS:
-        if key in device_name:
-            return half if amp != "off" else single
-    return None
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(prog=PROG, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+               description="Reference DistributedDataParallel training script. Launch it with python, "
+                           "torchrun, torch.distributed.launch, srun, or --spawn N.")
+    g = p.add_argument_group("training")
+    g.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
+    g.add_argument("--batch-size", type=at_least(1), default=64,
+                   help="samples per process and micro-batch (global batch: this x world size x --grad-accum)")
+    g.add_argument("--grad-accum", type=at_least(1), default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=at_least(0.0), default=1e-3, help="peak AdamW learning rate")
+    g.add_argument("--warmup-steps", type=at_least(0), default=0, help="linear warmup, then cosine decay to 0")
+    g.add_argument("--seed", type=int, default=0, help="seeds the data, the initial weights and the shuffle")
+    g.add_argument("--out-dir", default="out", help="where rank 0 writes model.pt, checkpoints and metrics.jsonl")
+    g = p.add_argument_group("distributed")
+    g.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto", help="auto: nccl with CUDA, else gloo")
+    g.add_argument("--timeout", type=above(0.0), default=300.0,
+                   help="seconds to wait for peers at start and in any collective before failing")
+    g = p.add_argument_group("the default task")
+    g.add_argument("--num-samples", type=at_least(1), default=32768, help="training samples")
+    g.add_argument("--eval-samples", type=at_least(0), default=4096, help="evaluation samples (0: no evaluation)")
+    g.add_argument("--batch-norm", action="store_true", help="give the model BatchNorm layers")
+    add_machinery_arguments(p)
+    return p.parse_args(argv)
+
+
+# ============================================================================
+# Joining the process group: torchrun's environment contract
+# ============================================================================
+
+
+@dataclasses.dataclass
+class DistContext:
+    rank: int = 0  # this process, 0 .. world_size - 1
+    local_rank: int = 0  # this process on its node: which GPU it drives
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    distributed: bool = False  # False: one process, no process group, the same code path
+    launcher: str = "python"
+    backend: str = "none"
+    control_group: object = None  # gloo, for small control messages that must not touch a GPU
+    patient_group: object = None  # gloo, for waiting on rank 0's own work (a checkpoint write)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(args) -> DistContext:
+    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT), pick the device and join the process group. Other launchers are first translated
+    into that environment; plain python has none of it and runs one process without a group."""
+    launcher = adopt_launcher_environment(args)
+    env = os.environ
+    world, rank = int(env.get("WORLD_SIZE", 1)), int(env.get("RANK", 0))
+    local_rank, local_world = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world))
+    share_cores(local_world)
+    ctx = DistContext(rank, local_rank, world, local_world, launcher=launcher)
+    backend = args.backend if args.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and not torch.cuda.is_available():
+        fail("--backend nccl needs CUDA, and this machine has no usable CUDA device; use --backend gloo (or auto)", ctx=ctx)
+    if torch.cuda.is_available():
+        ctx.device = gpu_of(local_rank)  # DDP: one GPU per process, picked by LOCAL_RANK ...
+        torch.cuda.set_device(ctx.device)  # ... and made current before init: nothing lands on GPU 0
+    if world == 1:
+        return ctx  # one process: no process group, and every collective below is skipped
+    timeout = datetime.timedelta(seconds=args.timeout)
+    try:
+        # DDP: join the process group. The timeout turns a missing peer into an error, not a hang.
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout,
+                                device_id=ctx.device if ctx.device.type == "cuda" else None,
+                                **rendezvous(args, world, timeout))  # init_method, or a workaround's store
+    except Exception as exc:  # name what was tried; the launcher has said the rest
+        where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}" if args.init_method == "env://" \
+            else args.init_method
+        fail(f"rank {rank} could not join the {world}-process group at {where} within {args.timeout:g}s: "
+             f"{first_line(exc)}", code=1)
+    ctx.distributed, ctx.backend = True, backend
+    ctx.control_group = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    ctx.patient_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
+    return ctx
+
+
+def cleanup_distributed(ctx: DistContext) -> None:
+    """DDP: leave the process group, once the DDP model and the DataLoader workers are released."""
+    release_before_teardown()
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """DDP: sum a tensor over all ranks, in place. SUM, never AVG: AVG is unreliable on gloo."""
+    if ctx.distributed:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def log(ctx: DistContext, message: str, error: bool = False) -> None:
+    """Rank 0 speaks for everyone."""
+    if ctx.is_main:
+        print(message, file=sys.stderr if error else sys.stdout, flush=True)
+
+
+# ============================================================================
+# The training loop
+# ============================================================================
+
+
+@dataclasses.dataclass
+class Job:
+    """What the loop works with, built once by train()."""
+    args: argparse.Namespace
+    ctx: DistContext
+    model: nn.Module  # the raw model: saved, evaluated
+    ddp_model: nn.Module  # DDP(model), or the model itself in one process
+    forward: nn.Module  # ddp_model, compiled with --compile
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    sampler: DistributedSampler
+    train_data: Loader
+    eval_data: Loader | None
+    global_batch: int
+    steps_per_epoch: int
+    gradients_checked: bool = False
+
+
+def train(args, ctx: DistContext, stop: StopSignal) -> int:
+    """Every rank builds the same data and model, wraps it in DDP, and trains. Returns the exit code."""
+    seed_everything(args.seed)  # first: a random split inside build_datasets then agrees across ranks
+    train_set, eval_set = (place_dataset(d, ctx) for d in build_datasets(args))
+    check_datasets_agree(train_set, eval_set, ctx)
+    seed_everything(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    model = build_model(args).to(ctx.device)
+    seed_everything(mix_seed(args.seed, RANK_STREAM, ctx.rank))  # DDP: each rank its own dropout masks
+
+    global_batch = args.batch_size * ctx.world_size * args.grad_accum  # DDP: the batch of one optimizer step
+    lr = args.lr * global_batch / args.scale_lr if args.scale_lr else args.lr
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # fused: one kernel for all parameters
+    steps_per_epoch = math.ceil(len(train_set) / global_batch)
+    scheduler = build_scheduler(optimizer, args.warmup_steps, args.epochs * steps_per_epoch)
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")  # fp16 only: loss scaling
+
+    checkpoints = Checkpoints(args, ctx, train_set, eval_set, lr, global_batch)
+    progress = checkpoints.resume(model, optimizer, scheduler, scaler, steps_per_epoch)
+    if progress.epoch >= args.epochs:
+        return checkpoints.finished(model)
+
+    ddp_model = wrap_model(model, args, ctx)
+    job = Job(args, ctx, model, ddp_model, torch.compile(ddp_model) if args.compile else ddp_model,
+              optimizer, scheduler, scaler,
+              # DDP: each rank reads its own share of each epoch's shuffle; one process reads it all.
+              DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed),
+              Loader(train_set, args.batch_size, ctx, args.workers, args.seed),
+              Loader(eval_set, args.batch_size, ctx, args.workers, args.seed) if eval_set else None,
+              global_batch, steps_per_epoch)
+    log(ctx, f"{PROG}: {ctx.launcher}, world size {ctx.world_size} ({ctx.local_world_size}/node), "
+             f"{ctx.backend if ctx.distributed else 'no process group'}, {ctx.device}, "
+             f"{torch.get_num_threads()} thread(s)/process")
+    log(ctx, f"global batch {global_batch} = {args.batch_size}/process x {ctx.world_size} x {args.grad_accum} accum, "
+             f"lr {lr:g}, {len(train_set):,} train / {len(eval_set) if eval_set else 0:,} eval samples, "
+             f"{steps_per_epoch} steps/epoch")
+    with explain_unused_parameters(model, ctx):
+        return train_loop(job, progress, checkpoints, stop)
 
 
 def wrap_model(model: nn.Module, args, ctx: DistContext) -> nn.Module:
-    """DDP: wrap the model so backward() all-reduces (averages) gradients across ranks."""
+    """DDP: wrap the model so that backward() also averages the gradients over all ranks."""
     if not ctx.distributed:
         return model
     if args.sync_bn:  # before wrapping: DDP must see the SyncBatchNorm modules
+        if ctx.device.type != "cuda":
+            fail("--sync-bn needs CUDA: torch's SyncBatchNorm has no CPU implementation", ctx=ctx)
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    ddp_model = DDP(
-        model,
-        device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,  # None on CPU
-        gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: one copy less
-    )
+    ddp_model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                    find_unused_parameters=args.find_unused_parameters,
+                    gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets: one copy less
     if args.grad_compression == "bf16":
         ddp_model.register_comm_hook(None, bf16_allreduce_hook)
+    warm_up_ddp(ddp_model)
     return ddp_model
 
 
-def bf16_allreduce_hook(process_group, bucket):
-    """DDP communication hook: average the gradient bucket in bfloat16. torch's own bf16 hook needs
-    NCCL (and DDP checks it by that hook's name, hence another name); this one works on gloo too.
-    Opt-in: it changes the numerics."""
-    group = process_group or dist.group.WORLD
-    compressed = bucket.buffer().to(torch.bfloat16).div_(group.size())
-    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints, stop: StopSignal) -> int:
+    """Epochs of optimizer steps. All ranks run every line together; rank 0 alone prints and writes."""
+    args, ctx, stats = job.args, job.ctx, EpochStats(job.ctx, job.args.amp)
+    per_rank_step = args.batch_size * args.grad_accum  # samples of one rank in one full step
+    while progress.epoch < args.epochs:
+        job.sampler.set_epoch(progress.epoch)  # Trap: without it every epoch repeats the same shuffle
+        mine = my_share(job.sampler, ctx)  # DDP: this rank's samples of the epoch
+        data = job.train_data.batches(mine[progress.step_in_epoch * per_rank_step :], progress.epoch)
+        stats.start_epoch(progress)
+        for step in range(progress.step_in_epoch, job.steps_per_epoch):  # (a resumed epoch skips the done)
+            # --- the step: the samples at [step, step + 1) x global batch of the epoch's shuffle ---
+            step_samples = min(len(job.sampler.dataset), (step + 1) * job.global_batch) - step * job.global_batch
+            n_micro = max(0, min(args.grad_accum, math.ceil((len(mine) - step * per_rank_step) / args.batch_size)))
+            for micro in range(n_micro):
+                # DDP: all-reduce the gradients only in the backward of the step's last micro-batch.
+                last = micro == n_micro - 1
+                with contextlib.nullcontext() if last or not ctx.distributed else job.ddp_model.no_sync():
+                    with autocast(args, ctx):
+                        loss_sum, n, _ = call_compute_loss(job.forward, next(data), ctx)
+                    # DDP averages gradients over ranks; times world/samples, over the step's samples.
+                    job.scaler.scale(loss_sum * (ctx.world_size / step_samples)).backward()
+                stats.add(loss_sum, n)
+            if n_micro == 0:  # DDP: none of the step's samples are here, but every rank joins the all-reduce
+                zero_gradient_backward(job.ddp_model)
+            if not job.gradients_checked:
+                check_every_parameter_got_a_gradient(job)
+            stats.end_step(clip_gradients(job))
+            job.scaler.step(job.optimizer)
+            job.scaler.update()
+            job.optimizer.zero_grad(set_to_none=True)
+            job.scheduler.step()
+            progress.step_done()
+            # --- periodic: all ranks (the stop agreement, the loss sum and the save are collectives) ---
+            stopping, log_now, save_now = stop.should_stop(), every(progress.step, args.log_every), \
+                every(progress.step, args.save_every)
+            if stopping or log_now or save_now:
+                stats.fold(progress)
+            if log_now:  # rank 0 only
+                log(ctx, f"  step {progress.step:>7,}  train_loss {progress.loss_sum / progress.samples:.4f}  "
+                         f"lr {job.scheduler.get_last_lr()[0]:.3g}")
+            if stopping or save_now:
+                checkpoints.save(job, progress)
+            if stopping:
+                return stop.stopped(progress, args.out_dir)
+        # --- end of epoch: all ranks ---
+        stats.fold(progress)  # the exact global train loss
+        record = stats.epoch_record(progress, job)
+        broadcast_buffers(job.model, ctx)  # before evaluating and saving
+        if job.eval_data:
+            record.update(evaluate(job.model, job.eval_data, args, ctx))
+        progress.next_epoch()
+        write_metrics(record, args, ctx)  # rank 0 only
+        checkpoints.save(job, progress)
+    stop.close()
+    save_model(job.model, progress, args, ctx)
+    return 0
 
-    def decompress(fut):
-        buffer = bucket.buffer()
-        buffer.copy_(fut.value()[0])
-        return buffer
 
-    return future.then(decompress)
-
-
-def zero_gradient_backward(ddp_model: DDP) -> None:
-    """DDP: a forward and backward through DDP that touches no data and contributes zero gradients,
-    so this rank takes part in the step's gradient all-reduce when it has no sample of its own.
-    The model's forward is swapped for one that uses every parameter and no randomness."""
-    module = ddp_model.module
-    params = [p for p in module.parameters() if p.requires_grad]
-    module.forward = lambda *_: sum(p.sum() for p in params) * 0.0
-    try:
-        ddp_model().backward()
-    finally:
-        del module.forward  # back to the class's own forward
+def call_compute_loss(model: nn.Module, batch, ctx: DistContext) -> tuple:
+    """compute_loss(model, batch) as (loss_sum, num_samples, metric_sums), checked on the way."""
+    out = compute_loss(model, batch)
+    if not (isinstance(out, tuple) and len(out) in (2, 3) and torch.is_tensor(out[0]) and out[0].dim() == 0
+            and (len(out) == 2 or isinstance(out[2], dict))):
+        shape = tuple(out[0].shape) if isinstance(out, tuple) and out and torch.is_tensor(out[0]) else None
+        fail(f"compute_loss must return (loss_sum, num_samples) or (loss_sum, num_samples, {{name: sum}}), "
+             f"loss_sum a 0-dim tensor; it returned {type(out).__name__}"
+             + (f" with a loss of shape {shape}: sum the per-sample losses" if shape else ""), ctx=ctx)
+    return out[0], out[1], out[2] if len(out) == 3 else {}
 
 
-def warm_up_ddp(ddp_model: nn.Module, ctx: DistContext) -> None:
-    """DDP all-reduces its first backward differently from every later one (it rebuilds its buckets
-    in between); with more than two ranks that changes the rounding, so without a warm-up the first
-    step after a resume would not be bit-identical to the same step of an uninterrupted run. One
-    zero-gradient backward, before training: no data, no RNG, no BatchNorm statistics touched."""
+def broadcast_buffers(model: nn.Module, ctx: DistContext) -> None:
+    """DDP: give every rank rank 0's buffers (BatchNorm statistics), so that evaluation on every
+    rank, and model.pt, describe one model. (DDP itself does this at the next step's start.)"""
     if ctx.distributed:
-        zero_gradient_backward(ddp_model)
-        ddp_model.zero_grad(set_to_none=True)
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
 
 
-def build_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    # The fused kernel updates all parameters in one pass (CPU and CUDA); about 30% faster here.
-    return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+@torch.no_grad()
+def evaluate(model: nn.Module, data: Loader, args, ctx: DistContext) -> dict:
+    """Loss and metric means over the whole eval set, each sample counted exactly once. All ranks:
+    each evaluates its share with the raw model (DDP's forward may sync), then the sums are added."""
+    model.eval()
+    sampler = DistributedSampler(data.dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
+    sums: dict = {}
+    for batch in data.batches(my_share(sampler, ctx), EVAL_EPOCH):  # DDP: each rank its own share
+        with autocast(args, ctx):
+            loss_sum, n, metric_sums = call_compute_loss(model, batch, ctx)
+        for name, value in {"loss": loss_sum, "samples": n, **metric_sums}.items():
+            sums[name] = sums.get(name, 0) + (value.detach().double() if torch.is_tensor(value) else value)
+    totals = sum_over_ranks({name: float(value) for name, value in sums.items()}, ctx)  # DDP: all ranks' sums
+    model.train()
+    count = totals.pop("samples", 0.0)
+    return {**{f"eval_{name}": value / count for name, value in totals.items()}, "eval_samples": int(count)}
 
 
-def build_scheduler(optimizer, warmup_steps: int, total_steps: int):
-    """Linear warmup, then cosine decay to zero at the last optimizer step."""
+def save_model(model: nn.Module, progress: Progress, args, ctx: DistContext) -> None:
+    """The final weights: rank 0 writes model.pt; every rank waits for it before leaving."""
+    check_finite(model, "the final weights", ctx)
+    if ctx.is_main:
+        path = os.path.join(args.out_dir, "model.pt")
+        # Trap: save the raw module: DDP would prefix every key with "module.", torch.compile with "_orig_mod.".
+        atomic_save(model.state_dict(), path)
+        log(ctx, f"saved {path}: {progress.epoch} epoch(s), {progress.step} steps")
+    wait_for_rank0(ctx)  # DDP: nobody leaves before rank 0's files are written
 
-    def factor(step):
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+def run(args) -> int:
+    """One process's whole life: join, train, leave."""
+    ctx = init_distributed(args)
+    stop = StopSignal(ctx)
+    try:
+        return train(args, ctx, stop)
+    except BaseException as exc:
+        # Its traceback holds train()'s frames, and with them the DDP model and the DataLoader
+        # workers: drop them, so that teardown below can release those first.
+        chained = exc
+        while chained is not None:
+            traceback.clear_frames(chained.__traceback__)
+            chained = chained.__context__
+        explain_failure(exc, ctx, stop)
+        raise
+    finally:
+        cleanup_distributed(ctx)
 
 
-# ---------------------------------------------------------------------------
-# Checkpoints: written by rank 0, atomically; read by every rank onto its own device.
-# ---------------------------------------------------------------------------
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.spawn:
+        return spawn_workers(args)
+    return run(args)
+
+
+# ============================================================================
+# ============================================================================
+#                        THE LESSON ENDS HERE
+#   Below: the machinery, one section per feature. Each has one call site above.
+# ============================================================================
+# ============================================================================
+
+
+def add_machinery_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("performance")
+    g.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off", help="autocast; fp16 adds loss scaling")
+    g.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
+    g.add_argument("--workers", type=at_least(-1), default=-1,
+                   help="DataLoader workers per process for Datasets that are not in-memory tensors "
+                        "(-1: none on the CPU, a few with CUDA)")
+    g.add_argument("--grad-compression", choices=("none", "bf16"), default="none",
+                   help="all-reduce gradients in bfloat16: half the bytes, but the numerics change")
+    g.add_argument("--peak-tflops", type=above(0.0), default=None,
+                   help="peak TFLOP/s of one GPU, for the MFU figure (default: from the GPU's name)")
+    g = p.add_argument_group("model and optimizer")
+    g.add_argument("--clip-grad-norm", type=above(0.0), default=None, metavar="MAX",
+                   help="clip the global gradient norm to MAX once per optimizer step")
+    g.add_argument("--scale-lr", type=at_least(1), default=None, metavar="REF_BATCH",
+                   help="--lr was tuned for a global batch of REF_BATCH: use lr x global batch / REF_BATCH")
+    g.add_argument("--find-unused-parameters", action="store_true",
+                   help="let parameters sit out some steps (DDP's find_unused_parameters; slower)")
+    g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm: statistics over the global batch (CUDA)")
+    g = p.add_argument_group("checkpoints and logging")
+    g.add_argument("--save-every", type=at_least(0), default=0, help="also checkpoint every N steps (0: epoch ends)")
+    g.add_argument("--log-every", type=at_least(0), default=0, help="also log the train loss every N steps")
+    g.add_argument("--resume", default="auto",
+                   help="auto: continue from OUT_DIR/checkpoint.pt if there is one; never: start over; or a path")
+    g.add_argument("--init-from", metavar="PATH", help="start a new run from these weights (a model.pt)")
+    g = p.add_argument_group("launching")
+    g.add_argument("--spawn", type=at_least(0), default=0, help="start N local processes, no launcher needed")
+    g.add_argument("--init-method", default="env://",
+                   help="env:// (MASTER_ADDR/MASTER_PORT), tcp://HOST:PORT or file:///shared/path")
+    # The legacy `python -m torch.distributed.launch` passes --local-rank=N (older torch: --local_rank N).
+    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+# ============================================================================
+# Checkpoints and exact resume
+# ============================================================================
+
+CHECKPOINT_FORMAT = "ddp_train.checkpoint/1"
+RANK_STREAM = -2  # mixed with --seed and the rank: each rank's own random stream for the model
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where the run is; checkpoints carry it."""
+    epoch: int = 0  # epochs completed
+    step_in_epoch: int = 0  # optimizer steps done in the current epoch
+    step: int = 0  # optimizer steps done in total
+    loss_sum: float = 0.0  # the current epoch's global train-loss sum and sample count so far,
+    samples: int = 0  # ... so that a resumed epoch still logs the exact mean
+
+    def step_done(self):
+        self.step += 1
+        self.step_in_epoch += 1
+
+    def next_epoch(self):
+        self.epoch, self.step_in_epoch, self.loss_sum, self.samples = self.epoch + 1, 0, 0.0, 0
+
+
+class Checkpoints:
+    """Rank 0 writes OUT_DIR/checkpoint.pt atomically, keeping the one before as checkpoint.prev.pt;
+    every rank reads it onto its own device. A resumed run continues bit for bit: model, optimizer,
+    schedule, loss scaler, position in the epoch, every rank's RNG states. What defines the run
+    (config) must match, except --epochs, which may grow."""
+
+    def __init__(self, args, ctx: DistContext, train_set, eval_set, lr: float, global_batch: int):
+        self.args, self.ctx = args, ctx
+        self.path, self.prev = checkpoint_paths(args.out_dir)
+        # Note the global batch, not its factors: 2 processes x 32 continue exactly as 1 x 64.
+        self.config = {"seed": args.seed, "lr": lr, "global_batch_size": global_batch,
+                       "warmup_steps": args.warmup_steps, "amp": args.amp, "clip_grad_norm": args.clip_grad_norm,
+                       "grad_compression": args.grad_compression, "init_from": args.init_from,
+                       "train_samples": len(train_set), "eval_samples": len(eval_set) if eval_set else 0}
+        if ctx.is_main:
+            os.makedirs(args.out_dir, exist_ok=True)
+
+    def resume(self, model, optimizer, scheduler, scaler, steps_per_epoch: int) -> Progress:
+        """Load the checkpoint to continue from, if any, into the training objects."""
+        found = load_checkpoint(self.args, self.ctx)
+        if not found:
+            if self.args.init_from:
+                init_weights(model, self.args.init_from, self.ctx)
+            start_metrics_file(self.args.out_dir, Progress(), self.ctx)
+            return Progress()
+        ckpt, path = found
+        check_same_model(ckpt["model"], model, path, self.ctx)
+        self.check_same_run(ckpt["config"], path)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        scaler.load_state_dict(ckpt["scaler"])
+        progress = Progress(ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"], ckpt["loss_sum"], ckpt["samples"])
+        if ckpt["world_size"] == self.ctx.world_size:
+            restore_rng(ckpt["rng"][self.ctx.rank], self.ctx)
+        else:  # no saved stream fits a new world size: a fresh, deterministic one per rank
+            seed_everything(mix_seed(self.args.seed, RANK_STREAM, self.ctx.rank, progress.step))
+        agree_on_resume_point(progress, self.ctx)
+        if progress.epoch < self.args.epochs:
+            self.follow_new_epochs(ckpt["config"].get("epochs"), optimizer, scheduler, steps_per_epoch)
+            log(self.ctx, f"resumed from {path} at epoch {progress.epoch + 1}, step {progress.step_in_epoch}/"
+                          f"{steps_per_epoch} ({progress.step} optimizer steps done, saved by world size "
+                          f"{ckpt['world_size']})")
+            start_metrics_file(self.args.out_dir, progress, self.ctx)
+        else:
+            log(self.ctx, f"{path} holds a finished run ({progress.epoch} epochs, {progress.step} steps): nothing "
+                          f"to train. Raise --epochs to train on, or start over with --resume never or another --out-dir")
+        return progress
+
+    def check_same_run(self, saved: dict, path: str) -> None:
+        differences = [f"{key} {saved.get(key)} -> {value}" for key, value in self.config.items()
+                       if saved.get(key) != value]
+        if differences:
+            hint = ""
+            if any(d.startswith("global_batch_size") for d in differences):
+                hint = " (with another world size, keep batch-size x world size x grad-accum the same)"
+            fail(f"cannot resume from {path}: {', '.join(differences)}{hint}; rerun with the same settings, or "
+                 "start over with --resume never or another --out-dir", ctx=self.ctx)
+
+    def follow_new_epochs(self, saved_epochs: int, optimizer, scheduler, steps_per_epoch: int) -> None:
+        """--epochs changed: the learning-rate schedule is stretched over the new total from here on."""
+        if saved_epochs in (None, self.args.epochs):
+            return
+        for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] = base_lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+        log(self.ctx, f"--epochs {saved_epochs} -> {self.args.epochs}: the learning-rate schedule now spans "
+                      f"{self.args.epochs} epochs ({self.args.epochs * steps_per_epoch} steps)")
+
+    def save(self, job: Job, progress: Progress) -> None:
+        """All ranks: gather every rank's RNG states; rank 0 writes; everyone waits for the write."""
+        rng = gather_rng_states(self.ctx)
+        check_finite(job.model, f"the weights after step {progress.step}", self.ctx)  # the same on every rank
+        if self.ctx.is_main:
+            state = {"format": CHECKPOINT_FORMAT, "model": job.model.state_dict(),  # the raw module: no prefixes
+                     "optimizer": job.optimizer.state_dict(), "scheduler": job.scheduler.state_dict(),
+                     "scaler": job.scaler.state_dict(), **dataclasses.asdict(progress),
+                     "config": {**self.config, "epochs": self.args.epochs}, "world_size": self.ctx.world_size,
+                     "rng": rng}
+            atomic_save(state, self.path, keep_previous=self.prev)
+        wait_for_rank0(self.ctx)  # a write longer than --timeout must not look like a dead peer
+
+    def finished(self, model: nn.Module) -> int:
+        """A finished run, rerun: nothing to train; model.pt is written if it is missing."""
+        path = os.path.join(self.args.out_dir, "model.pt")
+        if self.ctx.is_main and not os.path.exists(path):
+            atomic_save(model.state_dict(), path)
+            log(self.ctx, f"saved {path}")
+        wait_for_rank0(self.ctx)
+        return 0
+
+
+def checkpoint_paths(out_dir: str) -> tuple[str, str]:
+    return os.path.join(out_dir, "checkpoint.pt"), os.path.join(out_dir, "checkpoint.prev.pt")
 
 
 def atomic_save(obj, path: str, keep_previous: str | None = None) -> None:
@@ -623,30 +608,9 @@ def atomic_save(obj, path: str, keep_previous: str | None = None) -> None:
         os.close(dir_fd)
 
 
-def checkpoint_paths(out_dir: str) -> tuple[str, str]:
-    return os.path.join(out_dir, "checkpoint.pt"), os.path.join(out_dir, "checkpoint.prev.pt")
-
-
-def save_checkpoint(state: dict, out_dir: str, ctx: DistContext) -> None:
-    """Rank 0 writes checkpoint.pt; the one before it stays as checkpoint.prev.pt."""
-    # Each rank's RNG state, gathered so a resumed run draws the same random numbers.
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if numpy is not None:
-        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
-        rng["numpy"] = [kind, keys.tolist(), pos, has_gauss, gauss]  # plain values: weights_only loads them
-    if ctx.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(ctx.device)
-    rng_states = [rng]
-    if ctx.distributed:
-        rng_states = [None] * ctx.world_size
-        dist.all_gather_object(rng_states, rng, group=ctx.control_group)
-    if ctx.is_main:
-        path, prev = checkpoint_paths(out_dir)
-        atomic_save({**state, "rng": rng_states}, path, keep_previous=prev)
-
-
 def load_checkpoint(args, ctx: DistContext) -> tuple[dict, str] | None:
-    """Find and read the checkpoint to resume from, or None for a fresh start."""
+    """Find and read the checkpoint to resume from, or None for a fresh start. An unreadable
+    checkpoint.pt falls back to checkpoint.prev.pt; with nothing readable the run stops."""
     if args.resume == "never":
         return None
     if args.resume == "auto":
@@ -660,18 +624,19 @@ def load_checkpoint(args, ctx: DistContext) -> tuple[dict, str] | None:
         try:
             # Trap: without map_location every rank would load the tensors onto the GPU that saved them.
             ckpt = torch.load(path, map_location=ctx.device, weights_only=True)
-            if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-                raise ValueError("not a ddp_train.py checkpoint")
         except Exception as exc:
-            reason = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
-            problems.append((path, f"{path} is unreadable ({reason})"))
+            problems.append((path, f"{path} is unreadable ({first_line(exc)[:120]})"))
             continue
-        if problems and ctx.is_main:
-            # Set the unreadable file aside (kept for a post-mortem), or the next save would
-            # rotate it over this good one.
-            for bad, problem in problems:
-                print(f"{PROG}: warning: {problem}; resuming from {path} instead; "
-                      f"the unreadable file is now {bad}.unreadable", file=sys.stderr, flush=True)
+        if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+            if args.resume != "auto" and isinstance(ckpt, dict) and all(map(torch.is_tensor, ckpt.values())):
+                fail(f"--resume {path}: it holds model weights, not a checkpoint; --init-from {path} starts a "
+                     "new run from them", ctx=ctx)
+            problems.append((path, f"{path} is not a {PROG} checkpoint"))
+            continue
+        for bad, problem in problems:  # set the unreadable file aside, or the next save rotates it over this one
+            log(ctx, f"{PROG}: warning: {problem}; resuming from {path} instead; the unreadable file is now "
+                     f"{bad}.unreadable", error=True)
+            if ctx.is_main:
                 os.replace(bad, f"{bad}.unreadable")
         return ckpt, path
     if problems:  # never start fresh over a checkpoint we could not read
@@ -679,315 +644,45 @@ def load_checkpoint(args, ctx: DistContext) -> tuple[dict, str] | None:
     return None
 
 
-def run_config(args, ctx: DistContext, lr: float) -> dict:
-    """What defines the run's trajectory: a resume must match it. Note the global batch,
-    not its factors: 2 processes x 32 continue exactly as 1 process x 64 would."""
-    return {
-        "seed": args.seed, "num_samples": args.num_samples, "epochs": args.epochs, "lr": lr,
-        "global_batch_size": args.batch_size * ctx.world_size * args.grad_accum,
-        "warmup_steps": args.warmup_steps, "amp": args.amp, "batch_norm": args.batch_norm,
-    }
+def init_weights(model: nn.Module, path: str, ctx: DistContext) -> None:
+    """--init-from: a new run starts from saved weights (a model.pt, or a checkpoint's model)."""
+    try:
+        saved = torch.load(path, map_location=ctx.device, weights_only=True)
+    except Exception as exc:
+        fail(f"--init-from {path}: cannot read it ({first_line(exc)[:120]})", ctx=ctx)
+    if isinstance(saved, dict) and saved.get("format") == CHECKPOINT_FORMAT:
+        saved = saved["model"]
+    check_same_model(saved, model, path, ctx)
+    model.load_state_dict(saved)
+    log(ctx, f"initialised the model from {path}")
 
 
-def check_resumable(ckpt: dict, config: dict, path: str, ctx: DistContext) -> None:
-    differences = [f"{k} {ckpt['config'].get(k)} -> {v}" for k, v in config.items() if ckpt["config"].get(k) != v]
-    if differences:
-        hint = ""
-        if "global_batch_size" in " ".join(differences):
-            hint = " (with another world size, keep batch-size x world-size x grad-accum the same)"
-        fail(f"cannot resume from {path}: {', '.join(differences)}{hint}; rerun with the same settings, or --resume never to start over", ctx=ctx)
+def check_same_model(saved: dict, model: nn.Module, path: str, ctx: DistContext) -> None:
+    """One line naming how build_model() differs from the saved weights (names and shapes)."""
+    now = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    then = {k: tuple(v.shape) for k, v in saved.items()} if isinstance(saved, dict) else {}
+    changed = [f"{k} {list(then[k])} -> {list(now[k])}" for k in now if k in then and then[k] != now[k]]
+    new, gone = [k for k in now if k not in then], [k for k in then if k not in now]
+    parts = [f"{len(v)} {what} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
+             for what, v in (("changed shape", changed), ("new", new), ("gone", gone)) if v]
+    if parts:
+        fail(f"the model differs from the one in {path}: {'; '.join(parts)}. Build the same model, or start over "
+             "with --resume never or another --out-dir", ctx=ctx)
 
 
-# ---------------------------------------------------------------------------
-# Preemption: a signal only sets a flag; ranks agree on it at step boundaries.
-# ---------------------------------------------------------------------------
-
-
-class StopSignal:
-    """Remembers SIGTERM / SIGUSR1 (what torchrun, Kubernetes and SLURM's --signal send) and Ctrl-C.
-    The handler runs no collective (trap: a collective inside a handler deadlocks); instead
-    should_stop() is called by every rank at every optimizer step and returns the same answer
-    on all of them. The agreement lags one step: each call starts an all-reduce (MAX) of this
-    rank's flag and reads the one started a step earlier, so it never waits on the network.
-    A second Ctrl-C, a second or more after the first, stops at once without saving."""
-
-    def __init__(self, ctx: DistContext):
-        self.ctx, self.received, self.received_at, self.pending = ctx, 0, 0.0, None
-        self.flag = torch.zeros(1)
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame):
-        # A launcher that forwards the terminal's Ctrl-C delivers it twice within moments: once.
-        if signum == signal.SIGINT and self.received == signal.SIGINT and time.monotonic() - self.received_at > 1.0:
-            raise KeyboardInterrupt
-        if not self.received:
-            self.received, self.received_at = signum, time.monotonic()
-
-    @property
-    def exit_code(self) -> int:
-        return EXIT_INTERRUPTED if self.received == signal.SIGINT else EXIT_PREEMPTED
-
-    def should_stop(self) -> bool:
-        if not self.ctx.distributed:
-            return self.received != 0
-        stop = False
-        if self.pending is not None:
-            self.pending.wait()
-            stop = self.flag.item() > 0
-        self.flag = torch.tensor([float(self.received != 0)])
-        self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.ctx.control_group, async_op=True)
-        return stop
-
-    def close(self):
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-
-
-# ---------------------------------------------------------------------------
-# Training and evaluation
-# ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Progress:
-    epoch: int = 0  # epochs completed
-    step_in_epoch: int = 0  # optimizer steps done in the current epoch
-    step: int = 0  # optimizer steps done in total
-    loss_sum: float = 0.0  # global train-loss sum and sample count of the current epoch
-    samples: int = 0  # ... carried by checkpoints so a resumed epoch logs the exact mean
-
-
-def autocast(args, ctx: DistContext):
-    if args.amp == "off":
-        return contextlib.nullcontext()
-    return torch.autocast(ctx.device.type, dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader: Loader, args, ctx: DistContext) -> tuple[float, float, int]:
-    """(loss, accuracy, samples) over the whole eval set, each sample counted exactly once.
-    Runs the unwrapped model: DDP's forward may sync, and no collective runs until the end."""
-    model.eval()
-    sampler = DistributedSampler(loader.dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
-    indices = my_share(sampler, len(loader.dataset), ctx)
-    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, samples
-    for x, y in loader.batches(indices, EVAL_EPOCH):
-        with autocast(args, ctx):
-            logits = model(x)
-        totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
-        totals[1] += (logits.argmax(dim=1) == y).sum()
-        totals[2] += len(y)
-    loss_sum, correct, count = all_reduce_sum(totals, ctx).tolist()
-    model.train()
-    return loss_sum / count, correct / count, int(count)
-
-
-def train(args, ctx: DistContext, stop: StopSignal) -> int:
-    """Train; return the process exit code (0, or EXIT_PREEMPTED after a stop signal)."""
-    log = print if ctx.is_main else (lambda *a, **k: None)  # rank 0 speaks for everyone
-    if args.sync_bn and ctx.distributed and ctx.device.type != "cuda":
-        fail("--sync-bn needs CUDA: torch's SyncBatchNorm has no CPU implementation", ctx=ctx)
-    # Seeded first, the same on every rank: a split made without its own generator agrees.
-    seed_everything(args.seed)
-    train_set, eval_set = (place_dataset(d, ctx) for d in build_datasets(args))
-    check_datasets_agree(train_set, eval_set, ctx)
-
-    # The same initial weights on every rank (DDP also broadcasts rank 0's at wrap time) ...
-    seed_everything(args.seed)
-    model = build_model(args).to(ctx.device)
-    # ... then each rank its own stream for dropout and other randomness in the model.
-    seed_everything(mix_seed(args.seed, RANK_STREAM, ctx.rank))  # DDP: or every rank draws the same masks
-    global_batch = args.batch_size * ctx.world_size * args.grad_accum
-    lr = args.lr * (ctx.world_size * args.grad_accum if args.scale_lr else 1)
-    optimizer = build_optimizer(model, lr)
-
-    # DDP: every rank reads its own shard of the data. In one process the same sampler hands
-    # out everything, in the same order as the union of N ranks.
-    sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed)
-    steps_per_epoch = math.ceil(len(train_set) / global_batch)
-    scheduler = build_scheduler(optimizer, args.warmup_steps, args.epochs * steps_per_epoch)
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")
-
-    # Resume: every rank reads the checkpoint onto its own device.
-    config = run_config(args, ctx, lr)
-    if ctx.is_main:
-        os.makedirs(args.out_dir, exist_ok=True)
-    progress = resume(args, ctx, config, steps_per_epoch, model, optimizer, scheduler, scaler)
-    metrics_path = start_metrics_file(args.out_dir, progress, ctx)
-
-    ddp_model = wrap_model(model, args, ctx)
-    warm_up_ddp(ddp_model, ctx)
-    forward = torch.compile(ddp_model) if args.compile else ddp_model
-    log(f"{PROG}: {ctx.launcher}, world size {ctx.world_size} ({ctx.local_world_size}/node), "
-        f"{ctx.backend if ctx.distributed else 'no process group'}, {ctx.device}, "
-        f"{torch.get_num_threads()} thread(s)/process")
-    eval_size = len(eval_set) if eval_set is not None else 0
-    log(f"global batch {global_batch} = {args.batch_size}/process x {ctx.world_size} x {args.grad_accum} accum, "
-        f"lr {lr:g}, {len(train_set):,} train / {eval_size:,} eval samples, {steps_per_epoch} steps/epoch")
-
-    start, stopped, first_step_at, peak = time.perf_counter(), False, None, peak_flops(args, ctx)
-    window_size = args.batch_size * args.grad_accum  # one rank's samples per optimizer step
-    loader = Loader(train_set, args.batch_size, ctx, args.workers, args.seed)
-    eval_loader = Loader(eval_set, args.batch_size, ctx, args.workers, args.seed) if eval_size else None
-    while progress.epoch < args.epochs and not stopped:
-        sampler.set_epoch(progress.epoch)  # Trap: without it every epoch reuses the same shuffle
-        mine = my_share(sampler, len(train_set), ctx)
-        # Mid-epoch resume: the batches already trained are skipped without being loaded.
-        first = progress.step_in_epoch
-        micro_batches = loader.batches(mine[first * window_size :], progress.epoch)
-        local_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)  # summed on the device:
-        local_samples, epoch_start, samples_before = 0, time.perf_counter(), progress.samples  # no sync per step
-        for window in range(first, steps_per_epoch):
-            # Step `window` trains the samples at global positions [window, window + 1) x global batch
-            # of the epoch's order, however they are split into ranks and micro-batches. The ranks
-            # may hold different numbers of them in the last step (or none): each loss is scaled so
-            # that DDP's average over ranks is the mean over exactly the step's samples.
-            step_samples = min(len(train_set), (window + 1) * global_batch) - window * global_batch
-            n_micro = max(0, min(args.grad_accum, math.ceil((len(mine) - window * window_size) / args.batch_size)))
-            for micro in range(n_micro):
-                x, y = next(micro_batches)
-                # DDP: all-reduce gradients only on the last micro-batch of the step.
-                sync = contextlib.nullcontext() if micro == n_micro - 1 or not ctx.distributed else ddp_model.no_sync()
-                with sync:
-                    with autocast(args, ctx):
-                        loss_sum = F.cross_entropy(forward(x).float(), y, reduction="sum")
-                    scaler.scale(loss_sum * (ctx.world_size / step_samples)).backward()
-                local_loss += loss_sum.detach()
-                local_samples += len(y)
-            if n_micro == 0:  # DDP: nothing left for this rank in this step, but it must join the all-reduce
-                zero_gradient_backward(ddp_model)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            progress.step += 1
-            progress.step_in_epoch += 1
-            if first_step_at is None:  # start-up cost, once: when the first step has really finished
-                if ctx.device.type == "cuda":
-                    torch.cuda.synchronize(ctx.device)
-                first_step_at = time.time()
-
-            log_now = args.log_every and progress.step % args.log_every == 0
-            save_now = args.save_every and progress.step % args.save_every == 0
-            stopped = stop.should_stop()  # the same answer on every rank
-            if log_now or save_now or stopped:
-                fold_epoch_stats(progress, local_loss, local_samples, ctx)
-                local_samples = 0
-            if log_now:
-                log(f"  step {progress.step:>7,}  train_loss {progress.loss_sum / progress.samples:.4f}  "
-                    f"lr {scheduler.get_last_lr()[0]:.3g}")
-            if save_now or stopped:
-                save_checkpoint(checkpoint_state(model, optimizer, scheduler, scaler, progress, config, ctx), args.out_dir, ctx)
-            if stopped:
-                break
-        if stopped:
-            break
-
-        # End of epoch: the exact global train loss, then evaluation, then a checkpoint.
-        fold_epoch_stats(progress, local_loss, local_samples, ctx)
-        train_time = time.perf_counter() - epoch_start
-        record = {"epoch": progress.epoch + 1, "train_loss": progress.loss_sum / progress.samples,
-                  "eval_loss": None, "eval_accuracy": None, "eval_samples": 0}
-        if eval_size:
-            record["eval_loss"], record["eval_accuracy"], record["eval_samples"] = evaluate(model, eval_loader, args, ctx)
-        samples_per_sec = (progress.samples - samples_before) / train_time
-        if peak:  # model FLOPs utilisation: achieved training FLOP/s over all GPUs' peak
-            record["mfu"] = samples_per_sec * flops_per_sample(model) / peak
-        record.update(
-            train_samples=progress.samples, samples_per_sec=samples_per_sec,
-            world_size=ctx.world_size, effective_batch_size=global_batch, step=progress.step,
-            lr=scheduler.get_last_lr()[0], epoch_time_s=train_time, first_step_at=first_step_at,
-            **memory_stats(ctx),
-        )
-        progress = Progress(epoch=progress.epoch + 1, step=progress.step)
-        log_epoch(record, args, metrics_path, ctx)
-        save_checkpoint(checkpoint_state(model, optimizer, scheduler, scaler, progress, config, ctx), args.out_dir, ctx)
-
-    stop.close()
-    if stopped:
-        log(f"stopped by a signal at step {progress.step}: {os.path.join(args.out_dir, 'checkpoint.pt')} saved; "
-            f"rerun the same command to continue (exit code {stop.exit_code})")
-    elif ctx.is_main:
-        # Trap: save the raw module; DDP would prefix every key with "module.", torch.compile with "_orig_mod.".
-        atomic_save(model.state_dict(), os.path.join(args.out_dir, "model.pt"))
-        log(f"saved {os.path.join(args.out_dir, 'model.pt')}: {progress.epoch} epoch(s), {progress.step} steps, "
-            f"{time.perf_counter() - start:.1f} s")
-    if ctx.distributed:
-        dist.barrier()  # the other ranks wait for rank 0's files before anyone leaves
-    return stop.exit_code if stopped else 0
-
-
-def resume(args, ctx: DistContext, config: dict, steps_per_epoch: int, model, optimizer, scheduler, scaler) -> Progress:
-    """Load the checkpoint to continue from (if any) into the training objects; return where we are."""
-    found = load_checkpoint(args, ctx)
-    progress = Progress()
-    if found:
-        ckpt, path = found
-        check_resumable(ckpt, config, path, ctx)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        scaler.load_state_dict(ckpt["scaler"])
-        progress = Progress(ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"])
-        if ctx.is_main:  # the epoch's global sums so far, held by rank 0 alone so they count once
-            progress.loss_sum, progress.samples = ckpt["loss_sum"], ckpt["samples"]
-        if ckpt["world_size"] == ctx.world_size:
-            restore_rng(ckpt["rng"][ctx.rank], ctx)
-        else:  # no saved stream fits a new world size: a fresh, deterministic one per rank
-            seed_everything(mix_seed(args.seed, RANK_STREAM, ctx.rank, progress.step))
-        if ctx.is_main:
-            where = ("the end of training" if progress.epoch >= args.epochs else
-                     f"epoch {progress.epoch + 1}, step {progress.step_in_epoch}/{steps_per_epoch}")
-            print(f"resumed from {path} at {where} ({progress.step} optimizer steps done, "
-                  f"saved by world size {ckpt['world_size']})", flush=True)
-    agree_on_resume_point(progress, ctx)
-    return progress
-
-
-def start_metrics_file(out_dir: str, progress: Progress, ctx: DistContext) -> str:
-    """metrics.jsonl keeps the lines of completed epochs (none on a fresh start), so a resumed
-    run never logs an epoch twice."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if ctx.is_main:
-        kept = []
-        if progress.step and os.path.exists(path):
-            with open(path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["epoch"] <= progress.epoch]
-        with open(path, "w") as f:
-            f.writelines(kept)
-    return path
-
-
-def peak_flops(args, ctx: DistContext) -> float | None:
-    """All GPUs' peak FLOP/s together, for the MFU figure; None on CPU or a GPU we do not know."""
-    if ctx.device.type != "cuda":
-        return None
-    per_gpu = args.peak_tflops or gpu_peak_tflops(torch.cuda.get_device_name(ctx.device), args.amp)
-    return per_gpu * 1e12 * ctx.world_size if per_gpu else None
-
-
-def fold_epoch_stats(progress: Progress, local_loss: torch.Tensor, local_samples: int, ctx: DistContext) -> None:
-    """Add every rank's loss sum and sample count since the last fold to the epoch's totals."""
-    totals = torch.stack([local_loss, torch.tensor(float(local_samples), dtype=torch.float64, device=ctx.device)])
-    loss_sum, samples = all_reduce_sum(totals, ctx).tolist()
-    progress.loss_sum += loss_sum
-    progress.samples += int(samples)
-    local_loss.zero_()
-
-
-def checkpoint_state(model, optimizer, scheduler, scaler, progress: Progress, config: dict, ctx: DistContext) -> dict:
-    return {
-        "format": CHECKPOINT_FORMAT,
-        "model": model.state_dict(),  # the raw module: no "module." prefix
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
-        **dataclasses.asdict(progress),
-        "config": config,
-        "world_size": ctx.world_size,
-    }
+def gather_rng_states(ctx: DistContext) -> list[dict]:
+    """Every rank's RNG states (torch, CUDA, Python, numpy), gathered for rank 0 to save."""
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if numpy is not None:
+        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+        rng["numpy"] = [kind, keys.tolist(), pos, has_gauss, gauss]  # plain values: weights_only loads them
+    if ctx.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(ctx.device)
+    if not ctx.distributed:
+        return [rng]
+    states = [None] * ctx.world_size
+    dist.all_gather_object(states, rng, group=ctx.control_group)
+    return states
 
 
 def restore_rng(rng: dict, ctx: DistContext) -> None:
@@ -1011,54 +706,97 @@ def agree_on_resume_point(progress: Progress, ctx: DistContext) -> None:
              "every node must see the same --out-dir (shared storage)", ctx=ctx)
 
 
-def memory_stats(ctx: DistContext) -> dict:
-    """This process's peak memory: resident host memory, and GPU memory where there is one."""
-    stats = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
-    if ctx.device.type == "cuda":
-        stats["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
-    return stats
+def wait_for_rank0(ctx: DistContext) -> None:
+    """All ranks wait here until rank 0 is done with its own work, for up to PATIENT_TIMEOUT."""
+    if ctx.distributed:
+        dist.barrier(group=ctx.patient_group)
 
 
-def log_epoch(record: dict, args, metrics_path: str, ctx: DistContext) -> None:
-    if not ctx.is_main:
-        return
-    ev = "" if record["eval_loss"] is None else (
-        f"  eval_loss {record['eval_loss']:.4f}  eval_acc {100 * record['eval_accuracy']:6.2f}%")
-    mfu = f"  MFU {100 * record['mfu']:5.2f}%" if "mfu" in record else ""
-    print(f"epoch {record['epoch']:>3}/{args.epochs}  train_loss {record['train_loss']:.4f}{ev}  "
-          f"{record['samples_per_sec']:>9,.0f} samples/s{mfu}  world {record['world_size']}  "
-          f"batch {record['effective_batch_size']}  {record['epoch_time_s']:6.2f} s", flush=True)
-    with open(metrics_path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+def start_metrics_file(out_dir: str, progress: Progress, ctx: DistContext) -> None:
+    """metrics.jsonl keeps the lines of completed epochs (none on a fresh start), so that a resumed
+    run never logs an epoch twice."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if ctx.is_main:
+        kept = []
+        if progress.step and os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["epoch"] <= progress.epoch]
+        with open(path, "w") as f:
+            f.writelines(kept)
 
 
-# ---------------------------------------------------------------------------
-# Entry points
-# ---------------------------------------------------------------------------
+def check_finite(model: nn.Module, what: str, ctx: DistContext) -> None:
+    """Nothing non-finite is ever written over good weights."""
+    if not all(bool(p.isfinite().all()) for p in model.parameters()):
+        fail(f"{what} are not finite (nan or inf): nothing was saved, the last checkpoint is intact. "
+             "Lower --lr, or try --clip-grad-norm 1.0", code=1, ctx=ctx)
 
 
-def run(args) -> int:
-    """One process's whole life: join, train, leave."""
-    ctx = init_distributed(args)
-    stop = StopSignal(ctx)
-    try:
-        return train(args, ctx, stop)
-    except BaseException as exc:
-        # The traceback keeps train()'s frame, and with it the DDP model, alive: drop those
-        # locals so teardown below can release the model before the process group.
-        traceback.clear_frames(exc.__traceback__)
-        if isinstance(exc, KeyboardInterrupt) or (stop.received == signal.SIGINT and lost_a_peer(exc)):
-            if ctx.is_main:  # every rank got the Ctrl-C; one line says it
-                print(f"{PROG}: stopped by a second Ctrl-C, without saving; rerun the same command to continue "
-                      "from the last checkpoint", file=sys.stderr, flush=True)
-            raise SystemExit(EXIT_INTERRUPTED) from None
-        if ctx.distributed and lost_a_peer(exc):  # say what happened, not where we were waiting
-            reason = str(exc).strip().splitlines()[0]
-            fail(f"rank {ctx.rank} lost contact with another process (it crashed, was killed, or its node left "
-                 f"the network); rerun to resume from the last checkpoint. The error: {reason}", code=1)
-        raise
-    finally:
-        cleanup_distributed(ctx)
+# ============================================================================
+# Preemption: a signal only sets a flag; the ranks agree on it at step boundaries
+# ============================================================================
+
+EXIT_PREEMPTED = 75  # after SIGTERM or SIGUSR1, once the checkpoint is saved: EX_TEMPFAIL, "run again"
+EXIT_INTERRUPTED = 130  # after Ctrl-C (SIGINT), once the checkpoint is saved: the shell's convention
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class StopSignal:
+    """Remembers SIGTERM and SIGUSR1 (what torchrun, Kubernetes and SLURM's --signal send) and Ctrl-C.
+    The handler runs no collective (trap: a collective inside a handler deadlocks); instead every rank
+    calls should_stop() at every optimizer step, and it returns the same answer on all of them. The
+    agreement lags one step: each call starts an all-reduce (MAX) of this rank's flag and reads the
+    one started a step earlier, so it never waits on the network. A second Ctrl-C, a second or more
+    after the first, stops at once, without saving."""
+
+    def __init__(self, ctx: DistContext):
+        self.ctx, self.received, self.received_at, self.pending = ctx, 0, 0.0, None
+        self.flag = torch.zeros(1)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        # A launcher that forwards the terminal's Ctrl-C delivers it twice within moments: that is one.
+        if signum == signal.SIGINT and self.received == signal.SIGINT and time.monotonic() - self.received_at > 1:
+            raise KeyboardInterrupt
+        if not self.received:
+            self.received, self.received_at = signum, time.monotonic()
+
+    def should_stop(self) -> bool:
+        if not self.ctx.distributed:
+            return self.received != 0
+        stop = False
+        if self.pending is not None:
+            self.pending.wait()
+            stop = self.flag.item() > 0
+        self.flag = torch.tensor([float(self.received != 0)])
+        self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.ctx.control_group, async_op=True)
+        return stop
+
+    def close(self) -> None:
+        """Wait for the last agreement still on the wire (before the process group goes)."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+    def stopped(self, progress: Progress, out_dir: str) -> int:
+        """The checkpoint is saved: say so, and return the exit code."""
+        self.close()
+        code = EXIT_INTERRUPTED if self.received == signal.SIGINT else EXIT_PREEMPTED
+        log(self.ctx, f"stopped by a signal at step {progress.step}: {os.path.join(out_dir, 'checkpoint.pt')} saved; "
+                      f"rerun the same command to continue (exit code {code})")
+        return code
+
+
+def explain_failure(exc: BaseException, ctx: DistContext, stop: StopSignal) -> None:
+    """The ends that deserve one line instead of a traceback from every rank."""
+    if isinstance(exc, KeyboardInterrupt) or (stop.received == signal.SIGINT and lost_a_peer(exc)):
+        log(ctx, f"{PROG}: stopped by a second Ctrl-C, without saving; rerun the same command to continue from "
+                 "the last checkpoint", error=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    if ctx.distributed and lost_a_peer(exc):  # say what happened, not where we were waiting
+        fail(f"rank {ctx.rank} lost contact with another process (it crashed, was killed, or its node left the "
+             f"network); rerun to resume from the last checkpoint. The error: {first_line(exc)}", code=1)
 
 
 def lost_a_peer(exc: BaseException) -> bool:
@@ -1066,15 +804,298 @@ def lost_a_peer(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
 
 
-def _spawn_worker(local_rank: int, args) -> None:
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
-                      WORLD_SIZE=str(args.spawn), LOCAL_WORLD_SIZE=str(args.spawn))
-    # A spawned process inherits "spawn" as its default start method, so its DataLoader workers would
-    # each start a fresh interpreter; give it the platform's default, as a torchrun worker has.
-    mp.set_start_method(None, force=True)
-    code = run(args)
-    if code:
-        raise SystemExit(code)
+# ============================================================================
+# Deterministic data loading: a sample's randomness is a function of (seed, epoch, index)
+# ============================================================================
+
+EVAL_EPOCH = -1  # evaluation's own data seeds: the same in every epoch
+
+
+class Loader:
+    """Batches of a Dataset on the device. Every sample's randomness (its augmentation) depends
+    only on (--seed, epoch, sample index), whatever the worker count, the world size, the order in
+    which workers take batches, or where a run resumed."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, ctx: DistContext, workers: int, seed: int):
+        self.dataset, self.batch_size, self.ctx = dataset, batch_size, ctx
+        self.samples, self.plan, self.loader = SeededSamples(dataset, seed), _Plan(), None
+        on_gpu = ctx.device.type == "cuda"
+        if workers < 0:
+            workers = min(4, max(1, cores() // ctx.local_world_size - 1)) if on_gpu else 0
+        if type(dataset) is not TensorDataset and workers > 0:
+            # Workers started once, not every epoch (persistent); a private generator for the
+            # loader's base seed, because the global one belongs to the model (dropout).
+            self.loader = DataLoader(self.samples, batch_sampler=self.plan, num_workers=workers,
+                                     persistent_workers=True, pin_memory=on_gpu, collate_fn=collate,
+                                     worker_init_fn=leave_signals_to_trainer, generator=torch.Generator())
+
+    def batches(self, indices: list[int], epoch: int):
+        """Yield the samples `indices` of `epoch` in order, batch_size at a time."""
+        if type(self.dataset) is TensorDataset:  # exactly: a subclass may augment in its own __getitem__
+            # In-memory tensors: gather a whole batch with one index op instead of collating samples.
+            tensors = self.dataset.tensors
+            for rows in torch.as_tensor(indices, dtype=torch.long, device=tensors[0].device).split(self.batch_size):
+                yield tuple(t[rows].to(self.ctx.device, non_blocking=True) for t in tensors)
+            return
+        keys = [(epoch, i) for i in indices]
+        self.plan.batches = [keys[i : i + self.batch_size] for i in range(0, len(keys), self.batch_size)]
+        loaded = iter(self.loader) if self.loader else (load_here(self.samples, b) for b in self.plan.batches)
+        try:
+            for batch in loaded:
+                yield to_device(batch, self.ctx.device)
+            return
+        except Exception as exc:  # from a worker, re-raised with the worker's traceback in its message
+            kind, message = type(exc), str(exc)
+        release_loader_cycle()
+        if kind is BatchError:
+            fail(f"cannot batch the items of {type(self.dataset).__name__}: {message.rsplit('BatchError: ', 1)[-1]}",
+                 ctx=self.ctx)
+        try:
+            raise kind(message)
+        except TypeError:  # an exception class that wants other arguments
+            raise RuntimeError(message) from None
+
+
+class _Plan:
+    """The batch sampler of a Loader's DataLoader: the batches of the next pass."""
+
+    def __init__(self):
+        self.batches = []
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+
+class SeededSamples(Dataset):
+    """The user's Dataset, seeded per sample: before sample i of epoch e loads (its key is (e, i)),
+    torch, Python's random and numpy are seeded from (seed, e, i)."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed, self.epoch_seeds = dataset, seed, {}
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key
+        if epoch not in self.epoch_seeds:
+            self.epoch_seeds[epoch] = mix_seed(self.seed, epoch)
+        s = _splitmix64(self.epoch_seeds[epoch] ^ index)
+        torch.default_generator.manual_seed(s)  # not torch.manual_seed: 100x slower, it visits every device
+        random.seed(s)
+        if numpy is not None:
+            numpy.random.seed(s >> 32)
+        return self.dataset[index]
+
+
+def load_here(samples: Dataset, keys: list) -> object:
+    """One batch loaded in the training process (no workers). The training process's own torch
+    stream (dropout) must not see the per-sample seeding, so it is put back afterwards."""
+    state = torch.default_generator.get_state()
+    try:
+        return collate([samples[key] for key in keys])
+    finally:
+        torch.default_generator.set_state(state)
+
+
+def my_share(sampler: DistributedSampler, ctx: DistContext) -> list[int]:
+    """This rank's sample indices for the sampler's current epoch."""
+    # Trap: DistributedSampler pads with repeated samples so that every rank gets as many: they would
+    # be trained twice and counted twice in metrics. The real ones come first: keep only those.
+    return list(sampler)[: len(range(ctx.rank, len(sampler.dataset), ctx.world_size))]
+
+
+def zero_gradient_backward(ddp_model: nn.Module) -> None:
+    """A forward and backward through DDP that reads no data and contributes zero gradients, so that
+    a rank without samples in a step still takes part in its all-reduce. The model's forward is
+    swapped for one that uses every parameter and no randomness."""
+    module = ddp_model.module
+    params = [p for p in module.parameters() if p.requires_grad]
+    module.forward = lambda *_: sum(p.sum() for p in params) * 0.0
+    try:
+        ddp_model().backward()
+    finally:
+        del module.forward  # back to the class's own forward
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (every device), Python's random and numpy."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+
+
+def mix_seed(*parts: int) -> int:
+    """A well-mixed 64-bit seed from integers: the same in every process, machine and version."""
+    h = 0
+    for part in parts:
+        h = _splitmix64(h ^ (part & _MASK64))
+    return h
+
+
+_MASK64 = 2**64 - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def check_datasets_agree(train_set: Dataset, eval_set: Dataset | None, ctx: DistContext) -> None:
+    """Every rank built its own datasets: a cheap check that they are the same (their lengths)."""
+    if not ctx.distributed:
+        return
+    sizes = [len(train_set), len(eval_set) if eval_set is not None else 0]
+    both = torch.tensor(sizes + [-n for n in sizes], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ctx.control_group)  # the largest, and minus the smallest
+    (most_train, most_eval), (least_train, least_eval) = both[:2].int().tolist(), (-both[2:]).int().tolist()
+    if (most_train, most_eval) != (least_train, least_eval):
+        fail(f"the ranks built different datasets ({least_train} to {most_train} training samples, {least_eval} to "
+             f"{most_eval} evaluation samples): build_datasets must give every rank the same data (split with a "
+             "seeded generator, from storage every node sees)", ctx=ctx)
+
+
+def leave_signals_to_trainer(worker_id: int) -> None:
+    """DataLoader worker_init_fn. torchrun, scancel and terminals signal whole process groups, and a
+    worker exits on a SIGTERM its parent did not send, which kills the trainer before it can save.
+    The stop signals are the training process's to handle."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def release_loader_cycle() -> None:
+    """The DataLoader re-raises a worker's exception from a frame that the exception references: a
+    reference cycle that keeps the loader alive until the garbage collector runs, and a collector
+    that frees the loader together with its queues cannot shut the workers down (ours ignore SIGTERM:
+    they would outlive the process). Collect that cycle while the loader is still referenced; the
+    exception is then raised again without the DataLoader's frames (its message holds the worker's)."""
+    gc.collect()
+
+
+class BatchError(TypeError):
+    """Items that default_collate cannot batch (raised in a worker, re-raised in the trainer)."""
+
+
+def collate(items: list):
+    try:
+        return default_collate(items)
+    except (TypeError, RuntimeError) as exc:
+        raise BatchError(f"{last_line(exc)}. __getitem__ should return tensors, numbers or strings, or tuples, "
+                         "lists and dicts of them, with the same shapes for every item") from None
+
+
+def to_device(batch, device: torch.device):
+    """Move a batch to the device: tensors, in any nesting of tuples, lists and dicts."""
+    if device.type == "cpu":
+        return batch
+    if torch.is_tensor(batch):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # namedtuples too
+    return batch
+
+
+def place_dataset(dataset: Dataset | None, ctx: DistContext) -> Dataset | None:
+    """In-memory tensor datasets move to the GPU once, so that batches never cross PCIe. (Data larger
+    than GPU memory belongs in a Dataset that loads on demand, read through the DataLoader.)"""
+    if type(dataset) is TensorDataset and ctx.device.type == "cuda":
+        return TensorDataset(*(t.to(ctx.device) for t in dataset.tensors))
+    return dataset
+
+
+@contextlib.contextmanager
+def rank0_first(local: bool = False, timeout: float = 3600.0):
+    """Rank 0 (local=True: the first process of each node) runs the body first, say to download or
+    build a cache, while the others wait for up to `timeout` seconds; then the others run it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        yield
+        return
+    first = (int(os.environ.get("LOCAL_RANK", 0)) if local else dist.get_rank()) == 0
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))  # all ranks, before any work
+    if not first:
+        dist.barrier(group=group)
+    yield
+    if first:
+        dist.barrier(group=group)
+    dist.destroy_process_group(group)
+
+
+# ============================================================================
+# Launcher adapters: SLURM, the legacy launcher and --spawn speak torchrun's environment
+# ============================================================================
+
+
+def adopt_launcher_environment(args) -> str:
+    """Name the launcher, and give the ones that do not set torchrun's variables those variables."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, torch.distributed.launch, --spawn's workers
+        if args.local_rank is not None:  # the legacy launcher (older ones set only the argument)
+            env.setdefault("LOCAL_RANK", str(args.local_rank))
+            return "launch"
+        return "spawn" if args.spawn else "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
+    # A bare `srun python ddp_train.py`: srun sets SLURM_STEP_* for its tasks; an sbatch script running
+    # python directly sees the job's SLURM_NTASKS, but it is one process, not a task. The step's own
+    # variables win over the job's: a step may run on part of the allocation.
+    if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
+        world = env["SLURM_STEP_NUM_TASKS"]
+        env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=world, LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
+                   LOCAL_WORLD_SIZE=str(tasks_on_this_node(env.get("SLURM_STEP_TASKS_PER_NODE", world),
+                                                           int(env.get("SLURM_NODEID", "0")))))
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "localhost")
+        env.setdefault("MASTER_ADDR", first_slurm_host(nodes))
+        # Every task derives the same port from the job id, so that two jobs on one node don't collide.
+        env.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        return "slurm"
+    return "python"
+
+
+def tasks_on_this_node(tasks_per_node: str, node: int) -> int:
+    """SLURM_STEP_TASKS_PER_NODE lists every node's task count ('2(x2),1' -> 2, 2, 1); pick this node's.
+    It is always set, while SLURM_NTASKS_PER_NODE exists only when --ntasks-per-node was given."""
+    counts = []
+    for count, times in re.findall(r"(\d+)(?:\(x(\d+)\))?", tasks_per_node):
+        counts += [int(count)] * int(times or 1)
+    return counts[min(node, len(counts) - 1)]
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07'."""
+    head = re.match(r"[^,\[]*(\[[^\]]*\])?", nodelist).group(0)  # 'gpu[07-09,12]'
+    if "[" not in head:
+        return head
+    prefix, ranges = head[:-1].split("[")
+    return prefix + re.split(r"[,-]", ranges)[0]
+
+
+def gpu_of(local_rank: int) -> torch.device:
+    """This process's GPU: cuda:LOCAL_RANK, or the only one visible."""
+    visible = torch.cuda.device_count()
+    if visible == 1:  # the launcher gave this process one GPU (srun --gpus-per-task=1): it is ours
+        return torch.device("cuda", 0)
+    if local_rank >= visible:
+        fail(f"LOCAL_RANK is {local_rank} but only {visible} CUDA device(s) are visible "
+             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
+             f"start at most {visible} processes per node")
+    return torch.device("cuda", local_rank)
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def share_cores(local_world_size: int) -> None:
+    """Share the CPU cores between the processes of one node, unless the user chose (OMP_NUM_THREADS)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, cores() // max(1, local_world_size)))
 
 
 def spawn_workers(args) -> int:
@@ -1099,11 +1120,325 @@ def spawn_workers(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.spawn:
-        return spawn_workers(args)
-    return run(args)
+def _spawn_worker(local_rank: int, args) -> None:
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
+                      WORLD_SIZE=str(args.spawn), LOCAL_WORLD_SIZE=str(args.spawn))
+    # A spawned process inherits "spawn" as its default start method, so its DataLoader workers would
+    # each start a fresh interpreter; give it the platform's default, as a torchrun worker has.
+    mp.set_start_method(None, force=True)
+    code = run(args)
+    if code:
+        raise SystemExit(code)
+
+
+# ============================================================================
+# Upstream workarounds: each names the issue and the torch versions that need it
+# ============================================================================
+
+PATIENT_TIMEOUT = datetime.timedelta(hours=1)  # how long ranks wait for rank 0's own work
+
+
+def rendezvous(args, world: int, timeout: datetime.timedelta) -> dict:
+    """How init_process_group finds its peers: --init-method, except under torchrun restarts.
+    torch >= 2.5 (seen through 2.13): torchrun's agent keeps one TCPStore for the whole job, and its
+    workers' keys carry no restart number, so after `--max-restarts` restarts the new workers can
+    read the dead ones' addresses and fail to connect (pytorch/pytorch#135712). Give every restart
+    its own namespace. TORCHELASTIC_RESTART_COUNT agrees within a node; across nodes, launch torchrun
+    with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (run_multi_node.sh does), which skips this."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or args.init_method != "env://":
+        return {"init_method": args.init_method}
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world, is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"ddp_train/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)}
+
+
+def release_before_teardown() -> None:
+    """Collect what the training left behind (run() drops the frames of a failure's traceback):
+    - torch 2.13 with gloo (seen here, about 1 run in 3): destroying the process group while DDP's
+      reducer is still alive aborts the process at exit ("terminate called without an active
+      exception");
+    - persistent DataLoader workers that outlive their loader are only terminated at exit by
+      multiprocessing, and ours ignore SIGTERM: their loader must shut them down first."""
+    gc.collect()
+
+
+def warm_up_ddp(ddp_model: DDP) -> None:
+    """DDP (every version) rebuilds its gradient buckets after the first backward, so the first
+    all-reduce rounds differently from all later ones; with more than two ranks the first step after
+    a resume would then differ in the last bit from the same step of an uninterrupted run. One
+    zero-gradient backward before training: no data, no RNG, no BatchNorm statistics touched."""
+    zero_gradient_backward(ddp_model)
+    ddp_model.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def explain_unused_parameters(model: nn.Module, ctx: DistContext):
+    """A parameter that got no gradient after the first step: DDP raises at the next forward on
+    every rank, with a long message that names parameters by index. Say it in one line, by name."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "Expected to have finished reduction in the prior iteration" not in str(exc):
+            raise
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(exc))
+        unused = [names[int(i)] for i in found.group(1).split() if int(i) < len(names)] if found else []
+        fail(f"parameters got no gradient in a step{': ' + ', '.join(unused[:5]) if unused else ''}; pass "
+             "--find-unused-parameters if some parameters sit out some steps", ctx=ctx)
+
+
+# ============================================================================
+# Statistics: the exact global loss, gradient norms, divergence, throughput, memory, MFU
+# ============================================================================
+
+
+class EpochStats:
+    """This rank's training losses, sample count and gradient norms since the last fold, kept on
+    the device (no host sync per step). fold() adds every rank's into the epoch's totals, and stops
+    the run, on every rank, at the first non-finite loss or gradient norm."""
+
+    def __init__(self, ctx: DistContext, amp: str):
+        self.ctx, self.check_norms = ctx, amp != "fp16"  # fp16's GradScaler skips inf steps by design
+        self.step_losses, self.norms, self.samples, self.current = [], [], 0, None
+        self.max_norm, self.first_step_at, self.zero = None, None, torch.zeros((), device=ctx.device)
+
+    def start_epoch(self, progress: Progress) -> None:
+        self.started, self.samples_before, self.max_norm = time.perf_counter(), progress.samples, None
+
+    def add(self, loss_sum: torch.Tensor, num_samples) -> None:
+        loss = loss_sum.detach()
+        self.current = loss if self.current is None else self.current + loss
+        self.samples = self.samples + num_samples
+
+    def end_step(self, grad_norm: torch.Tensor | None) -> None:
+        self.step_losses.append(self.current if self.current is not None else self.zero)
+        self.current = None
+        if grad_norm is not None:
+            self.norms.append(grad_norm.detach())
+        if self.first_step_at is None:  # start-up cost, once: when the first step has really finished
+            if self.ctx.device.type == "cuda":
+                torch.cuda.synchronize(self.ctx.device)
+            self.first_step_at = time.time()
+
+    def fold(self, progress: Progress) -> None:
+        """All ranks: add the sums since the last fold into the epoch's global totals."""
+        losses = torch.stack(self.step_losses).double() if self.step_losses else torch.zeros(0, device=self.ctx.device)
+        totals = torch.stack([losses.sum(), torch.as_tensor(self.samples, dtype=torch.float64, device=losses.device)])
+        loss_sum, samples = all_reduce_sum(totals, self.ctx).tolist()  # DDP: every rank's, exactly
+        first = progress.step - len(self.step_losses) + 1  # the step of the first entry
+        if not math.isfinite(loss_sum):
+            bad = (~losses.isfinite()).nonzero()
+            step = torch.tensor([-(first + int(bad[0])) if len(bad) else -progress.step - 1], dtype=torch.float64)
+            if self.ctx.distributed:
+                dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.ctx.control_group)  # the earliest rank's
+            self.diverged(f"the training loss is {loss_sum} at step {-int(step)}")
+        if self.norms:
+            norms = torch.stack(self.norms)
+            bad = (~norms.isfinite()).nonzero()
+            if self.check_norms and len(bad):
+                self.diverged(f"the gradient norm is {float(norms[bad[0]])} at step {first + int(bad[0])}")
+            self.max_norm = max(self.max_norm or 0.0, float(norms.max()))
+        progress.loss_sum += loss_sum
+        progress.samples += int(samples)
+        self.step_losses, self.norms, self.samples = [], [], 0
+
+    def diverged(self, what: str) -> None:
+        fail(f"{what}: the run diverged and stopped; nothing non-finite was saved, the last checkpoint is intact. "
+             "Lower --lr, or try --clip-grad-norm 1.0", code=1, ctx=self.ctx)
+
+    def epoch_record(self, progress: Progress, job: Job) -> dict:
+        """The epoch's line of metrics.jsonl, but for evaluation, at the end of its training."""
+        seconds = time.perf_counter() - self.started
+        samples_per_sec = (progress.samples - self.samples_before) / seconds
+        record = {"epoch": progress.epoch + 1, "train_loss": progress.loss_sum / max(1, progress.samples),
+                  "eval_loss": None, "eval_samples": 0, "train_samples": progress.samples,
+                  "samples_per_sec": samples_per_sec, "world_size": self.ctx.world_size,
+                  "effective_batch_size": job.global_batch, "step": progress.step, "lr": job.scheduler.get_last_lr()[0],
+                  "epoch_time_s": seconds, "first_step_at": self.first_step_at, **memory_stats(self.ctx)}
+        if self.max_norm is not None:
+            record["grad_norm"] = self.max_norm  # the largest before clipping, over the epoch
+        peak = peak_flops(job.args, self.ctx)
+        if peak:  # model FLOPs utilisation: achieved training FLOP/s over all GPUs' peak
+            record["mfu"] = samples_per_sec * flops_per_sample(job.model) / peak
+        return record
+
+
+def every(step: int, interval: int) -> bool:
+    return bool(interval) and step % interval == 0
+
+
+def write_metrics(record: dict, args, ctx: DistContext) -> None:
+    """Rank 0: one aligned line per epoch, and the record in metrics.jsonl."""
+    if not ctx.is_main:
+        return
+    evals = "".join(f"  {k} {v:.4f}" for k, v in record.items() if k.startswith("eval_") and k != "eval_samples"
+                    and v is not None)
+    mfu = f"  MFU {100 * record['mfu']:5.2f}%" if "mfu" in record else ""
+    log(ctx, f"epoch {record['epoch']:>3}/{args.epochs}  train_loss {record['train_loss']:.4f}{evals}  "
+             f"{record['samples_per_sec']:>9,.0f} samples/s{mfu}  world {record['world_size']}  "
+             f"batch {record['effective_batch_size']}  {record['epoch_time_s']:6.2f} s")
+    with open(os.path.join(args.out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def sum_over_ranks(values: dict[str, float], ctx: DistContext) -> dict[str, float]:
+    """Add up named numbers over all ranks (a rank may lack some names: it had no batch)."""
+    if not ctx.distributed:
+        return dict(values)
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, values, group=ctx.control_group)
+    names = list(dict.fromkeys(name for g in gathered for name in g))
+    return {name: sum(g.get(name, 0.0) for g in gathered) for name in names}
+
+
+def memory_stats(ctx: DistContext) -> dict:
+    """This process's peak memory: resident host memory, and GPU memory where there is one."""
+    stats = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+    if ctx.device.type == "cuda":
+        stats["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
+    return stats
+
+
+def flops_per_sample(model: nn.Module) -> float:
+    """Training FLOPs per sample, for the MFU figure: 6 per parameter (2 forward, 4 backward). Exact
+    for the matmuls of dense layers; replace it for convolutions or attention."""
+    return 6.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# Dense peak TFLOP/s of one GPU (16-bit tensor cores, fp32) from the datasheets. Longest name first,
+# so that "L40S" is not taken for "L40" or "L4", nor "GH200" for "H200".
+GPU_PEAK_TFLOPS = {"GH200": (989.4, 66.9), "H200": (989.4, 66.9), "H100 NVL": (835.5, 60.0),
+                   "H100 PCIe": (756.0, 51.2), "H100": (989.4, 66.9), "A100": (312.0, 19.5),
+                   "L40S": (362.1, 91.6), "L40": (181.0, 90.5), "L4": (121.0, 30.3), "V100": (125.0, 15.7)}
+
+
+def gpu_peak_tflops(device_name: str, amp: str) -> float | None:
+    """Peak TFLOP/s of one GPU at the precision training runs in; None for a GPU not in the table."""
+    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name):
+            half, single = GPU_PEAK_TFLOPS[key]
+            return half if amp != "off" else single
+    return None
+
+
+def peak_flops(args, ctx: DistContext) -> float | None:
+    """All GPUs' peak FLOP/s together, for the MFU figure; None on the CPU or an unknown GPU."""
+    if ctx.device.type != "cuda":
+        return None
+    per_gpu = args.peak_tflops or gpu_peak_tflops(torch.cuda.get_device_name(ctx.device), args.amp)
+    return per_gpu * 1e12 * ctx.world_size if per_gpu else None
+
+
+# ============================================================================
+# Extras: gradients, precision, the schedule, argument parsing, errors
+# ============================================================================
+
+
+def check_every_parameter_got_a_gradient(job: Job) -> None:
+    """Trap: a parameter that got no gradient in a step leaves DDP waiting for it; it fails at the next
+    step on every rank, with a hundred lines each. Checked after the first backward, in one process too."""
+    job.gradients_checked = True
+    if job.args.find_unused_parameters:
+        return
+    missing = [name for name, p in job.model.named_parameters() if p.requires_grad and p.grad is None]
+    if job.ctx.distributed:
+        everyone = [None] * job.ctx.world_size
+        dist.all_gather_object(everyone, missing, group=job.ctx.control_group)
+        missing = list(dict.fromkeys(name for names in everyone for name in names))
+    if missing:
+        fail(f"{len(missing)} parameter(s) got no gradient in the first step: {', '.join(missing[:5])}"
+             f"{', ...' if len(missing) > 5 else ''}. Pass --find-unused-parameters if some parameters sit out "
+             "some steps, or set requires_grad=False on those you freeze", ctx=job.ctx)
+
+
+def clip_gradients(job: Job) -> torch.Tensor | None:
+    """--clip-grad-norm: clip the all-reduced gradient once per optimizer step; returns its norm."""
+    if not job.args.clip_grad_norm:
+        return None
+    job.scaler.unscale_(job.optimizer)  # Trap: clip the true gradients, not the fp16 loss-scaled ones
+    return torch.nn.utils.clip_grad_norm_(job.model.parameters(), job.args.clip_grad_norm)
+
+
+def autocast(args, ctx: DistContext):
+    if args.amp == "off":
+        return contextlib.nullcontext()
+    return torch.autocast(ctx.device.type, dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
+
+
+def bf16_allreduce_hook(process_group, bucket):
+    """DDP communication hook: average the gradient bucket in bfloat16. torch's own bf16 hook needs
+    NCCL (and DDP checks it by that hook's name, hence another name); this one works on gloo too.
+    Opt-in: it changes the numerics."""
+    group = process_group or dist.group.WORLD
+    compressed = bucket.buffer().to(torch.bfloat16).div_(group.size())
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut):
+        buffer = bucket.buffer()
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(decompress)
+
+
+def build_scheduler(optimizer, warmup_steps: int, total_steps: int):
+    """Linear warmup, then cosine decay to zero at the last optimizer step."""
+
+    def factor(step):
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        fail(f"{message} (see --help)")
+
+
+def at_least(low):
+    """An argparse type: a number (an int if `low` is one) no smaller than `low`."""
+    return _bounded(low, strict=False)
+
+
+def above(low):
+    """An argparse type: a number greater than `low`."""
+    return _bounded(low, strict=True)
+
+
+def _bounded(low, strict: bool):
+    kind = type(low)
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'greater than' if strict else 'at least'} {low:g}, got {text}")
+        return value
+
+    return parse
+
+
+def fail(message: str, code: int = 2, ctx: DistContext | None = None) -> None:
+    """Stop with one clear line on stderr and no traceback. With a ctx, the error is one that every
+    rank hits, so only rank 0 prints it."""
+    if ctx is None or ctx.is_main:
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def last_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ CPU), organised by feature. The launch harness is in conftest.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import ddp_train
-from conftest import (CORES, HAS_CUDA, PY, ROOT, RUN_MULTI, SCRIPT, Launch, Result, assert_only_rank0_files,
+from conftest import (CORES, HAS_CUDA, PY, ROOT, RUN_MULTI, SCRIPT, Launch, Result, assert_only_rank0_files, edited_copy,
                       assert_same_run, assert_same_weights, clean_env, default_args, finish, free_port, last_line,
                       node_env, python_cmd, resumed_at, run, sh, start_nodes, torchrun_cmd, wait_for_checkpoint,
                       worker_pids)
@@ -307,6 +308,122 @@ def test_tensor_dataset_subclass_is_read_through_its_own_getitem():
 
 
 # ---------------------------------------------------------------------------
+# Your model and loss: compute_loss is the one place, and the classic DDP failures are one line
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun", "spawn"])
+def test_edited_copy_with_an_mse_loss_runs_in_every_launch_mode(tmp_path_factory, tmp_path, launcher):
+    # The other way in: a copy of ddp_train.py whose three task functions were edited (digits data
+    # and model, a mean-squared-error loss). Nothing else in the script knows about the loss.
+    script = str(edited_copy(tmp_path_factory.getbasetemp() / "way1"))
+    cmd = {"python": python_cmd("--epochs", "2", script=script),
+           "torchrun": torchrun_cmd(2, "--epochs", "2", "--batch-size", "32", script=script),
+           "spawn": python_cmd("--epochs", "2", "--batch-size", "32", "--spawn", "2", script=script)}[launcher]
+    r = run(cmd, tmp_path)
+    first, last = r.metrics
+    assert "eval_accuracy" not in last and 0 < last["eval_loss"] < first["train_loss"] < 0.2, r.metrics
+    assert last["train_samples"] == 1437 and last["eval_samples"] == 360
+
+
+def test_dict_items_tuple_outputs_and_a_train_only_head_work_under_ddp(project, tmp_path):
+    r = run(torchrun_cmd(2, "--epochs", "2", "--batch-size", "32", script=str(project / "aux.py")), tmp_path)
+    assert r.metrics[-1]["eval_accuracy"] > 0.3 and r.metrics[-1]["eval_samples"] == 360
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_a_parameter_without_gradient_is_one_line_unless_allowed(project, tmp_path, flag):
+    extra = ["--find-unused-parameters"] if flag else []
+    r = run(digits_cmd(project, "spawn", "--epochs", "1", *extra, script="unused.py"), tmp_path,
+            expect=0 if flag else 2)
+    if not flag:
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "spare.weight, spare.bias" in lines[0] and "--find-unused-parameters" in lines[0], r
+
+
+def test_another_split_or_model_in_the_same_out_dir_is_one_line_and_touches_nothing(project, tmp_path):
+    run(digits_cmd(project, "python", "--epochs", "1"), tmp_path)
+    saved = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    for script, says in [("split.py", "train_samples 1437 -> 1400"), ("plain.py", "the model differs from the one in")]:
+        r = run(digits_cmd(project, "python", "--epochs", "2", script=script), tmp_path, expect=2)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0], r
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == saved
+
+
+def test_finished_runs_say_so_train_on_with_more_epochs_and_seed_new_runs(tmp_path):
+    first = run(python_cmd(*SMALL, "--epochs", "1"), tmp_path)
+    model_pt = first.out_dir / "model.pt"
+    again = run(python_cmd(*SMALL, "--epochs", "1"), tmp_path)
+    assert "holds a finished run" in again.stdout and "Raise --epochs" in again.stdout
+    assert not re.search(r"^epoch ", again.stdout, re.M) and again.out_dir.joinpath("model.pt").exists()
+    more = run(python_cmd(*SMALL, "--epochs", "2"), tmp_path)
+    assert "--epochs 1 -> 2: the learning-rate schedule now spans 2 epochs (64 steps)" in more.stdout, more
+    assert [m["epoch"] for m in more.metrics] == [1, 2] and more.metrics[1]["lr"] == 0.0  # the cosine's end
+    # model.pt is weights only: --resume says what to use instead; --init-from starts a new run from it.
+    r = run(python_cmd(*SMALL, "--resume", model_pt), tmp_path, out="other", expect=2)
+    assert len(r.stderr.strip().splitlines()) == 1 and f"--init-from {model_pt}" in r.stderr, r
+    # With --lr 0 the new run keeps the weights it started from: it evaluates exactly as model.pt did.
+    seeded = run(python_cmd(*SMALL, "--epochs", "1", "--lr", "0", "--init-from", model_pt), tmp_path, out="seeded")
+    assert f"initialised the model from {model_pt}" in seeded.stdout
+    assert seeded.metrics[0]["eval_loss"] == more.metrics[-1]["eval_loss"]
+
+
+def test_clipping_and_scaled_lr_keep_two_ranks_equal_to_one_process(tmp_path):
+    # One clip per optimizer step, on the all-reduced gradient; --scale-lr follows the global batch.
+    knobs = ["--clip-grad-norm", "0.1", "--scale-lr", "32", "--grad-accum", "2"]
+    two = run(torchrun_cmd(2, *SMALL, *knobs, "--batch-size", "16"), tmp_path, out="two")
+    one = run(python_cmd(*SMALL, *knobs, "--batch-size", "32"), tmp_path, out="one")
+    assert "lr 0.002," in two.stdout and "lr 0.002," in one.stdout  # 0.001 x 64 / 32 for both
+    assert_same_weights(two.weights, one.weights)
+    for a, b in zip(two.metrics, one.metrics):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["grad_norm"] > 0.1  # it clipped
+
+
+def test_a_diverging_run_stops_on_every_rank_and_keeps_the_last_good_checkpoint(project, tmp_path):
+    r = run(digits_cmd(project, "spawn"), tmp_path, env=clean_env(POISON_AT=25), expect=1)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the training loss is nan at step 25" in lines[0], r
+    ckpt = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)
+    assert ckpt["step"] == 20 and all(v.isfinite().all() for v in ckpt["model"].values())
+    assert not (tmp_path / "out" / "model.pt").exists()
+
+
+def test_batchnorm_evaluation_is_that_of_the_saved_model(project, tmp_path):
+    # Each rank's BatchNorm statistics drift apart within a step; rank 0's are broadcast before
+    # evaluating, so the logged metrics are those of model.pt evaluated by one process.
+    r = run(digits_cmd(project, "spawn", "--epochs", "1", "--batch-size", "32"), tmp_path)
+    out = subprocess.run([PY, project / "evaluate_saved.py", r.out_dir / "model.pt"], capture_output=True,
+                         text=True, timeout=120, cwd=project, env=clean_env())
+    alone = json.loads(out.stdout)
+    assert r.metrics[0]["eval_accuracy"] == alone["eval_accuracy"], out.stderr
+    assert r.metrics[0]["eval_loss"] == pytest.approx(alone["eval_loss"], rel=1e-6)
+
+
+def test_rank0_first_preparation_and_slow_checkpoint_writes_outlast_the_timeout(project, tmp_path):
+    env = clean_env(PREP_SECONDS=5, SAVE_SECONDS=4)
+    r = run(digits_cmd(project, "spawn", "--epochs", "1", "--timeout", "2", script="patient.py"), tmp_path, env=env)
+    assert (tmp_path / "prepared").exists() and (r.out_dir / "model.pt").exists()
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("loss", "compute_loss must return (loss_sum, num_samples)"),
+    ("items", "cannot batch the items of OddItems"),
+])
+def test_a_wrong_compute_loss_or_unbatchable_items_are_one_line(project, tmp_path, bad, says):
+    r = run(digits_cmd(project, "spawn", "--workers", "1", script="bad.py"), tmp_path, env=clean_env(BAD=bad), expect=2)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "Traceback" not in r.stderr, r
+
+
+def test_a_bug_in_the_dataset_ends_the_run_with_the_workers_traceback(project, tmp_path):
+    # The worker's exception reaches the trainer, which exits (its DataLoader workers with it).
+    r = run(digits_cmd(project, "python", "--workers", "1", script="bad.py"), tmp_path, env=clean_env(BAD="getitem"),
+            expect=1, timeout=60)
+    assert "ValueError: sample 7 is broken" in r.stderr and "in DataLoader worker process 0" in r.stderr, r
+
+
+# ---------------------------------------------------------------------------
 # It learns, and it says so clearly
 # ---------------------------------------------------------------------------
 
@@ -360,10 +477,13 @@ def test_mixed_precision_trains_on_cpu_too(tmp_path, reference, amp):
     assert r.metrics[-1]["train_loss"] == pytest.approx(exact.metrics[-1]["train_loss"], rel=0.02)
 
 
-def test_first_slurm_host_expands_node_lists():
+def test_slurm_node_lists_and_task_counts_are_read_like_slurm_writes_them():
     assert ddp_train.first_slurm_host("gpu[07-09,12],cpu1") == "gpu07"
     assert ddp_train.first_slurm_host("node3,node4") == "node3"
     assert ddp_train.first_slurm_host("a-b[1,3]") == "a-b1"
+    # SLURM_STEP_TASKS_PER_NODE: '2(x2),1' is 2 tasks on nodes 0 and 1, and 1 on node 2.
+    assert [ddp_train.tasks_on_this_node("2(x2),1", node) for node in range(3)] == [2, 2, 1]
+    assert ddp_train.tasks_on_this_node("3,1", 1) == 1 and ddp_train.tasks_on_this_node("4", 0) == 4
 
 
 # ---------------------------------------------------------------------------
@@ -451,7 +571,7 @@ def test_truncated_checkpoint_falls_back_to_previous_one(tmp_path, reference):
     assert_same_weights(r.weights, reference(FT_PYTHON).weights, exact=True)
     # Rerunning a finished run changes nothing.
     done = run(python_cmd(*FT), tmp_path)
-    assert "at the end of training" in done.stdout
+    assert "holds a finished run" in done.stdout and "nothing to train" in done.stdout
     assert_same_weights(done.weights, r.weights, exact=True)
 
 
@@ -660,11 +780,14 @@ def test_bf16_gradient_compression_is_opt_in_and_changes_numerics(tmp_path, refe
     assert bf16.metrics[-1]["train_loss"] == pytest.approx(one.metrics[-1]["train_loss"], rel=1e-2)
 
 
-def test_gpu_peak_table_picks_the_precision_in_use():
-    assert ddp_train.gpu_peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
-    assert ddp_train.gpu_peak_tflops("NVIDIA H100 PCIe", "off") == 51.2
-    assert ddp_train.gpu_peak_tflops("NVIDIA L4", "bf16") == 121.0 and ddp_train.gpu_peak_tflops("NVIDIA L40S", "off") == 91.6
-    assert ddp_train.gpu_peak_tflops("Some Future GPU", "bf16") is None
+def test_gpu_peak_table_picks_the_precision_and_the_exact_model():
+    peak = ddp_train.gpu_peak_tflops
+    assert peak("NVIDIA H100 80GB HBM3", "bf16") == 989.4 and peak("NVIDIA H100 PCIe", "off") == 51.2
+    assert peak("NVIDIA H100 NVL", "bf16") == 835.5  # not the SXM row
+    assert peak("NVIDIA L4", "bf16") == 121.0 and peak("NVIDIA L40S", "off") == 91.6
+    assert peak("NVIDIA L40", "bf16") == 181.0  # not the L4 row
+    assert peak("NVIDIA GH200 480GB", "bf16") == 989.4 and peak("NVIDIA H200", "off") == 66.9
+    assert peak("Some Future GPU", "bf16") is None
 
 
 def test_benchmark_quick_runs_and_prints_its_table(tmp_path):
