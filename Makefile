@@ -15,10 +15,15 @@ NODE_RANK ?= 0
 MASTER_ADDR ?= 127.0.0.1
 MASTER_PORT ?= 29500
 NPROC_PER_NODE ?=
+# How many GPUs this machine has, for train-Ngpu.
+gpus = $(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 
-.PHONY: setup train train-cpu train-2gpu train-4gpu train-multinode test bench clean
+.PHONY: help setup train train-cpu train-multinode test test-fast bench clean
 
-setup: $(VENV)/.ready
+help:  ## these targets, one line each
+	@awk -F':.*## ' '/^[a-z%-]+:.*## / {sub("%", "N", $$1); printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+setup: $(VENV)/.ready  ## create .venv: the pinned CPU torch, numpy and pytest, unless the system has them
 
 $(VENV)/.ready:
 	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -34,27 +39,22 @@ train: setup  ## one process: the CPU or one GPU
 train-cpu: setup  ## two CPU processes with torchrun and gloo, even on a GPU machine
 	CUDA_VISIBLE_DEVICES= $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 ddp_train.py --backend gloo $(ARGS)
 
-# A GPU target on a machine with too few GPUs stops with one line.
-gpus = $(shell $(PY) -c "import torch; print(torch.cuda.device_count())")
-need_gpus = $(if $(filter-out 0,$(shell test $(gpus) -ge $(1); echo $$?)),$(error $@ needs $(1) GPUs; this machine has $(gpus)))
+train-%gpu: setup  ## torchrun with one process per GPU: make train-2gpu, make train-4gpu, make train-8gpu ...
+	@test "$(gpus)" -ge "$*" 2>/dev/null || { echo "make $@: needs $* GPUs; this machine has $(gpus)" >&2; exit 2; }
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$* ddp_train.py $(ARGS)
 
-train-2gpu: setup
-	$(call need_gpus,2)
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node=2 ddp_train.py $(ARGS)
-
-train-4gpu: setup
-	$(call need_gpus,4)
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node=4 ddp_train.py $(ARGS)
-
-train-multinode: setup  ## make train-multinode NODE_RANK=1 MASTER_ADDR=10.0.0.1 (on every node)
+train-multinode: setup  ## on every node: make train-multinode NODE_RANK=1 MASTER_ADDR=10.0.0.1
 	PYTHON=$(PY) NNODES=$(NNODES) NODE_RANK=$(NODE_RANK) MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT) \
 	  NPROC_PER_NODE=$(NPROC_PER_NODE) ./run_multi_node.sh $(ARGS)
 
-test: setup
+test: setup  ## the whole test suite: real processes, about 10 minutes on 2 cores
 	$(PY) -m pytest -q test_ddp_train.py
 
-bench: setup  ## side-by-side throughput, start-up and memory; make bench ARGS=--quick for a fast check
+test-fast: setup  ## the fast tier: under a minute
+	$(PY) -m pytest -q -m fast test_ddp_train.py
+
+bench: setup  ## side-by-side throughput, start-up and memory; ARGS=--quick for a fast check
 	$(PY) bench_ddp_train.py $(ARGS)
 
-clean:
+clean:  ## remove out/ and caches
 	rm -rf out .pytest_cache __pycache__
