@@ -13,12 +13,9 @@ One file, torch only. Launch it unchanged in any of these ways:
 Your task is three functions at the top: build_datasets(), build_model() and compute_loss().
 Edit them here, or import this file from your own script and assign yours (see the README).
 
-Read it top to bottom. First the lesson: your task, the arguments, joining the process group,
-the training loop with the step inside it, evaluation, saving, teardown. Each line that DDP adds
-to a plain single-process loop says "DDP:", and each classic DDP trap "Trap:" where it is handled.
-After the divider comes the machinery that makes real runs survive, one section per feature,
-each with one call site in the lesson: checkpoints and exact resume, preemption, deterministic
-data loading, launcher adapters, upstream workarounds, statistics, and extras.
+Read it top to bottom. The lesson comes first: your task, the arguments, joining the process
+group, the training loop, evaluation, saving, teardown. Each line DDP adds to a plain loop says
+"DDP:", each classic trap "Trap:". After the divider: the machinery, one section per feature.
 """
 
 from __future__ import annotations
@@ -48,11 +45,6 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
 
-try:  # optional; when present, a Dataset's numpy randomness is seeded like torch's
-    import numpy
-except ImportError:
-    numpy = None
-
 PROG = "ddp_train.py"
 IN_FEATURES, NUM_CLASSES, HIDDEN = 32, 10, 256  # the default task (see build_datasets)
 
@@ -65,16 +57,10 @@ IN_FEATURES, NUM_CLASSES, HIDDEN = 32, 10, 256  # the default task (see build_da
 def build_datasets(args) -> tuple[Dataset, Dataset | None]:
     """(train_set, eval_set): map-style Datasets, the same on every rank; eval_set may be None.
 
-    Items may be tensors, numbers or strings, or tuples, lists and dicts of them. Random
-    augmentation in __getitem__ is welcome: each sample's random numbers depend only on
-    (--seed, epoch, sample index), never on workers, world size or where a run resumed.
-    Downloading or preprocessing? One process does it while the others wait, then all read:
-
-        with rank0_first():         # rank0_first(local=True): the first process of each node
-            prepare(args.data_dir)  # download, unpack, build a cache
-
-    The default task needs no download: Gaussian inputs labelled by a fixed random linear
-    "teacher", all drawn from --seed.
+    Items: tensors, numbers, strings, or tuples, lists and dicts of them. Random augmentation in
+    __getitem__ is welcome: its random numbers depend only on (--seed, epoch, sample index).
+    A download? `with rank0_first(): prepare(path)` runs it once while the other ranks wait.
+    The default task: Gaussian inputs labelled by a fixed random linear "teacher", from --seed.
     """
     gen = torch.Generator().manual_seed(args.seed)
     teacher = torch.randn(IN_FEATURES, NUM_CLASSES, generator=gen)
@@ -127,7 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--seed", type=int, default=0, help="seeds the data, the initial weights and the shuffle")
     g.add_argument("--out-dir", default="out", help="where rank 0 writes model.pt, checkpoints and metrics.jsonl")
     g = p.add_argument_group("distributed")
-    g.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto", help="auto: nccl with CUDA, else gloo")
+    g.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="auto: nccl with CUDA, else gloo")
     g.add_argument("--timeout", type=above(0.0), default=300.0,
                    help="seconds to wait for peers at start and in any collective before failing")
     g = p.add_argument_group("the default task")
@@ -171,9 +158,7 @@ def init_distributed(args) -> DistContext:
     local_rank, local_world = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world))
     share_cores(local_world)
     ctx = DistContext(rank, local_rank, world, local_world, launcher=launcher)
-    backend = args.backend if args.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl" and not torch.cuda.is_available():
-        fail("--backend nccl needs CUDA, and this machine has no usable CUDA device; use --backend gloo (or auto)", ctx=ctx)
+    backend = pick_backend(args, ctx)  # nccl with CUDA, else gloo
     if torch.cuda.is_available():
         ctx.device = gpu_of(local_rank)  # DDP: one GPU per process, picked by LOCAL_RANK ...
         torch.cuda.set_device(ctx.device)  # ... and made current before init: nothing lands on GPU 0
@@ -186,10 +171,8 @@ def init_distributed(args) -> DistContext:
                                 device_id=ctx.device if ctx.device.type == "cuda" else None,
                                 **rendezvous(args, world, timeout))  # init_method, or a workaround's store
     except Exception as exc:  # name what was tried; the launcher has said the rest
-        where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}" if args.init_method == "env://" \
-            else args.init_method
-        fail(f"rank {rank} could not join the {world}-process group at {where} within {args.timeout:g}s: "
-             f"{first_line(exc)}", code=1)
+        fail(f"rank {rank} could not join the {world}-process group at {rendezvous_address(args)} within "
+             f"{args.timeout:g}s: {first_line(exc)}", code=1)
     ctx.distributed, ctx.backend = True, backend
     ctx.control_group = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     ctx.patient_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
@@ -211,8 +194,8 @@ def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
 
 
 def log(ctx: DistContext, message: str, error: bool = False) -> None:
-    """Rank 0 speaks for everyone."""
-    if ctx.is_main:
+    """Rank 0 speaks for everyone: the one place that prints."""
+    if ctx.is_main:  # DDP: one log, not one per rank
         print(message, file=sys.stderr if error else sys.stdout, flush=True)
 
 
@@ -287,6 +270,7 @@ def wrap_model(model: nn.Module, args, ctx: DistContext) -> nn.Module:
         if ctx.device.type != "cuda":
             fail("--sync-bn needs CUDA: torch's SyncBatchNorm has no CPU implementation", ctx=ctx)
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    # DDP: the wrap. It broadcasts rank 0's weights, then all-reduces gradients during backward().
     ddp_model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                     find_unused_parameters=args.find_unused_parameters,
                     gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets: one copy less
@@ -315,7 +299,7 @@ def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints, stop: Sto
                 with contextlib.nullcontext() if last or not ctx.distributed else job.ddp_model.no_sync():
                     with autocast(args, ctx):
                         loss_sum, n, _ = call_compute_loss(job.forward, next(data), ctx)
-                    # DDP averages gradients over ranks; times world/samples, over the step's samples.
+                    # DDP: backward() averages over ranks; x world/samples makes it the step's sample mean.
                     job.scaler.scale(loss_sum * (ctx.world_size / step_samples)).backward()
                 stats.add(loss_sum, n)
             if n_micro == 0:  # DDP: none of the step's samples are here, but every rank joins the all-reduce
@@ -332,38 +316,26 @@ def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints, stop: Sto
             stopping, log_now, save_now = stop.should_stop(), every(progress.step, args.log_every), \
                 every(progress.step, args.save_every)
             if stopping or log_now or save_now:
-                stats.fold(progress)
+                stats.fold(progress)  # DDP: the loss sums of all ranks, all-reduced
             if log_now:  # rank 0 only
                 log(ctx, f"  step {progress.step:>7,}  train_loss {progress.loss_sum / progress.samples:.4f}  "
                          f"lr {job.scheduler.get_last_lr()[0]:.3g}")
             if stopping or save_now:
-                checkpoints.save(job, progress)
+                checkpoints.save(job, progress)  # rank 0 writes, every rank waits for it
             if stopping:
                 return stop.stopped(progress, args.out_dir)
         # --- end of epoch: all ranks ---
-        stats.fold(progress)  # the exact global train loss
+        stats.fold(progress)  # DDP: all-reduce the loss sums: the exact global train loss
         record = stats.epoch_record(progress, job)
-        broadcast_buffers(job.model, ctx)  # before evaluating and saving
+        broadcast_buffers(job.model, ctx)  # DDP: rank 0's BatchNorm statistics, before evaluating and saving
         if job.eval_data:
             record.update(evaluate(job.model, job.eval_data, args, ctx))
         progress.next_epoch()
         write_metrics(record, args, ctx)  # rank 0 only
-        checkpoints.save(job, progress)
+        checkpoints.save(job, progress)  # rank 0 writes, every rank waits for it
     stop.close()
     save_model(job.model, progress, args, ctx)
     return 0
-
-
-def call_compute_loss(model: nn.Module, batch, ctx: DistContext) -> tuple:
-    """compute_loss(model, batch) as (loss_sum, num_samples, metric_sums), checked on the way."""
-    out = compute_loss(model, batch)
-    if not (isinstance(out, tuple) and len(out) in (2, 3) and torch.is_tensor(out[0]) and out[0].dim() == 0
-            and (len(out) == 2 or isinstance(out[2], dict))):
-        shape = tuple(out[0].shape) if isinstance(out, tuple) and out and torch.is_tensor(out[0]) else None
-        fail(f"compute_loss must return (loss_sum, num_samples) or (loss_sum, num_samples, {{name: sum}}), "
-             f"loss_sum a 0-dim tensor; it returned {type(out).__name__}"
-             + (f" with a loss of shape {shape}: sum the per-sample losses" if shape else ""), ctx=ctx)
-    return out[0], out[1], out[2] if len(out) == 3 else {}
 
 
 def broadcast_buffers(model: nn.Module, ctx: DistContext) -> None:
@@ -379,9 +351,10 @@ def evaluate(model: nn.Module, data: Loader, args, ctx: DistContext) -> dict:
     """Loss and metric means over the whole eval set, each sample counted exactly once. All ranks:
     each evaluates its share with the raw model (DDP's forward may sync), then the sums are added."""
     model.eval()
+    # DDP: each rank evaluates its own share, in order; my_share() drops the sampler's padding.
     sampler = DistributedSampler(data.dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
     sums: dict = {}
-    for batch in data.batches(my_share(sampler, ctx), EVAL_EPOCH):  # DDP: each rank its own share
+    for batch in data.batches(my_share(sampler, ctx), EVAL_EPOCH):
         with autocast(args, ctx):
             loss_sum, n, metric_sums = call_compute_loss(model, batch, ctx)
         for name, value in {"loss": loss_sum, "samples": n, **metric_sums}.items():
@@ -395,12 +368,12 @@ def evaluate(model: nn.Module, data: Loader, args, ctx: DistContext) -> dict:
 def save_model(model: nn.Module, progress: Progress, args, ctx: DistContext) -> None:
     """The final weights: rank 0 writes model.pt; every rank waits for it before leaving."""
     check_finite(model, "the final weights", ctx)
-    if ctx.is_main:
+    if ctx.is_main:  # DDP: rank 0 alone writes; the others hold the same weights
         path = os.path.join(args.out_dir, "model.pt")
         # Trap: save the raw module: DDP would prefix every key with "module.", torch.compile with "_orig_mod.".
         atomic_save(model.state_dict(), path)
         log(ctx, f"saved {path}: {progress.epoch} epoch(s), {progress.step} steps")
-    wait_for_rank0(ctx)  # DDP: nobody leaves before rank 0's files are written
+    wait_for_rank0(ctx)  # Trap: a barrier, so that no rank tears down before rank 0's files are written
 
 
 def run(args) -> int:
@@ -410,16 +383,10 @@ def run(args) -> int:
     try:
         return train(args, ctx, stop)
     except BaseException as exc:
-        # Its traceback holds train()'s frames, and with them the DDP model and the DataLoader
-        # workers: drop them, so that teardown below can release those first.
-        chained = exc
-        while chained is not None:
-            traceback.clear_frames(chained.__traceback__)
-            chained = chained.__context__
-        explain_failure(exc, ctx, stop)
+        explain_failure(exc, ctx, stop)  # one line for the ends that deserve one, else the traceback
         raise
     finally:
-        cleanup_distributed(ctx)
+        cleanup_distributed(ctx)  # DDP: leave the process group, also after an error
 
 
 def main(argv=None) -> int:
@@ -429,12 +396,10 @@ def main(argv=None) -> int:
     return run(args)
 
 
-# ============================================================================
-# ============================================================================
+# ############################################################################
 #                        THE LESSON ENDS HERE
 #   Below: the machinery, one section per feature. Each has one call site above.
-# ============================================================================
-# ============================================================================
+# ############################################################################
 
 
 def add_machinery_arguments(p: argparse.ArgumentParser) -> None:
@@ -541,7 +506,8 @@ class Checkpoints:
             start_metrics_file(self.args.out_dir, progress, self.ctx)
         else:
             log(self.ctx, f"{path} holds a finished run ({progress.epoch} epochs, {progress.step} steps): nothing "
-                          f"to train. Raise --epochs to train on, or start over with --resume never or another --out-dir")
+                          "to train. Raise --epochs to train on, or start over with --resume never or another "
+                          "--out-dir")
         return progress
 
     def check_same_run(self, saved: dict, path: str) -> None:
@@ -790,6 +756,12 @@ class StopSignal:
 
 def explain_failure(exc: BaseException, ctx: DistContext, stop: StopSignal) -> None:
     """The ends that deserve one line instead of a traceback from every rank."""
+    # The traceback holds train()'s frames, and with them the DDP model and the DataLoader
+    # workers: drop them, so that teardown can release those first.
+    chained = exc
+    while chained is not None:
+        traceback.clear_frames(chained.__traceback__)
+        chained = chained.__context__
     if isinstance(exc, KeyboardInterrupt) or (stop.received == signal.SIGINT and lost_a_peer(exc)):
         log(ctx, f"{PROG}: stopped by a second Ctrl-C, without saving; rerun the same command to continue from "
                  "the last checkpoint", error=True)
@@ -807,6 +779,11 @@ def lost_a_peer(exc: BaseException) -> bool:
 # ============================================================================
 # Deterministic data loading: a sample's randomness is a function of (seed, epoch, index)
 # ============================================================================
+
+try:  # optional; when present, a Dataset's numpy randomness is seeded like torch's
+    import numpy
+except ImportError:
+    numpy = None
 
 EVAL_EPOCH = -1  # evaluation's own data seeds: the same in every epoch
 
@@ -1050,8 +1027,8 @@ def adopt_launcher_environment(args) -> str:
         env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=world, LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
                    LOCAL_WORLD_SIZE=str(tasks_on_this_node(env.get("SLURM_STEP_TASKS_PER_NODE", world),
                                                            int(env.get("SLURM_NODEID", "0")))))
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "localhost")
-        env.setdefault("MASTER_ADDR", first_slurm_host(nodes))
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        env.setdefault("MASTER_ADDR", first_slurm_host(nodes or "localhost"))
         # Every task derives the same port from the job id, so that two jobs on one node don't collide.
         env.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
         return "slurm"
@@ -1065,6 +1042,21 @@ def tasks_on_this_node(tasks_per_node: str, node: int) -> int:
     for count, times in re.findall(r"(\d+)(?:\(x(\d+)\))?", tasks_per_node):
         counts += [int(count)] * int(times or 1)
     return counts[min(node, len(counts) - 1)]
+
+
+def pick_backend(args, ctx) -> str:
+    """--backend auto: nccl with CUDA, gloo without."""
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        fail("--backend nccl needs CUDA, and this machine has no usable CUDA device; use --backend gloo (or auto)",
+             ctx=ctx)
+    return args.backend if args.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def rendezvous_address(args) -> str:
+    """Where init_process_group looked for its peers, for error messages."""
+    if args.init_method != "env://":
+        return args.init_method
+    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -1148,12 +1140,13 @@ def rendezvous(args, world: int, timeout: datetime.timedelta) -> dict:
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or args.init_method != "env://":
         return {"init_method": args.init_method}
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world, is_master=False, timeout=timeout)
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world, is_master=False,
+                          timeout=timeout)
     return {"store": dist.PrefixStore(f"ddp_train/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)}
 
 
 def release_before_teardown() -> None:
-    """Collect what the training left behind (run() drops the frames of a failure's traceback):
+    """Collect what the training left behind (explain_failure() drops a failure's frames first):
     - torch 2.13 with gloo (seen here, about 1 run in 3): destroying the process group while DDP's
       reducer is still alive aborts the process at exit ("terminate called without an active
       exception");
@@ -1334,6 +1327,18 @@ def peak_flops(args, ctx: DistContext) -> float | None:
 # ============================================================================
 
 
+def call_compute_loss(model: nn.Module, batch, ctx: DistContext) -> tuple:
+    """compute_loss(model, batch) as (loss_sum, num_samples, metric_sums), checked on the way."""
+    out = compute_loss(model, batch)
+    if not (isinstance(out, tuple) and len(out) in (2, 3) and torch.is_tensor(out[0]) and out[0].dim() == 0
+            and (len(out) == 2 or isinstance(out[2], dict))):
+        shape = tuple(out[0].shape) if isinstance(out, tuple) and out and torch.is_tensor(out[0]) else None
+        fail(f"compute_loss must return (loss_sum, num_samples) or (loss_sum, num_samples, {{name: sum}}), "
+             f"loss_sum a 0-dim tensor; it returned {type(out).__name__}"
+             + (f" with a loss of shape {shape}: sum the per-sample losses" if shape else ""), ctx=ctx)
+    return out[0], out[1], out[2] if len(out) == 3 else {}
+
+
 def check_every_parameter_got_a_gradient(job: Job) -> None:
     """Trap: a parameter that got no gradient in a step leaves DDP waiting for it; it fails at the next
     step on every rank, with a hundred lines each. Checked after the first backward, in one process too."""
@@ -1415,7 +1420,8 @@ def _bounded(low, strict: bool):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+            expected = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
         if not math.isfinite(value) or value < low or (strict and value == low):
             raise argparse.ArgumentTypeError(f"must be {'greater than' if strict else 'at least'} {low:g}, got {text}")
         return value
