@@ -7,16 +7,21 @@ One invocation runs, interleaved in rounds so that drift of the machine cancels 
   3. a minimal hand-written single-process loop (same model, data and batch size)
   4. a minimal tutorial-style DDP loop under torchrun, 2 x 1: a DataLoader over a TensorDataset,
      DistributedSampler, and loss.item() every step, as in the pytorch/examples DDP tutorials
+  5. ddp_train.py training a user's own Dataset (examples/digits.py: random augmentation in
+     __getitem__, a CNN with BatchNorm and Dropout), one process, --workers N
+  6. the plain loop a user writes for that Dataset and model: a shuffling DataLoader with the same
+     batch size and N workers, AdamW, cross entropy; no per-sample seeding
 
 and reports steady-state training samples/s (the epochs after the first, training only), the time from
 launch to the first finished optimizer step, and peak memory per process, as the median and min-max over
 rounds; then the ratios, each taken within a round.
 
-    python bench_ddp_train.py             # 10 rounds on the default workload, about 5 minutes on 2 cores
+    python bench_ddp_train.py             # 10 rounds on the default workload, about 6-7 minutes on 2 cores
     python bench_ddp_train.py --quick     # 1 short round: checks that everything runs
-    python bench_ddp_train.py --device cuda   # on a GPU: 1 and 3 on the GPU, 2 and 4 need 2 GPUs
+    python bench_ddp_train.py --device cuda   # on a GPU: 1, 3, 5 and 6 on the GPU, 2 and 4 need 2 GPUs
+    python bench_ddp_train.py --workers 2     # 5 and 6 with 2 DataLoader workers each (default: 0)
 
-The baselines (3, 4) are functions in this file; the bench runs itself with --baseline to start them.
+The baselines (3, 4, 6) are functions in this file; the bench runs itself with --baseline to start them.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TARGETS = {("ddp_1", "hand_1"): 0.95, ("ddp_2", "tutorial_2"): 1.15}  # from the project's performance issue
+TARGETS = {("ddp_1", "hand_1"): 0.95, ("ddp_2", "tutorial_2"): 1.15,  # from the project's performance issue
+           ("digits_1", "digits_hand_1"): 0.95}
 
 
 # ---------------------------------------------------------------------------
@@ -50,25 +56,18 @@ def record(path, epoch, samples, seconds, first_step_at, device):
         f.write(json.dumps(rec) + "\n")
 
 
-def hand_written_loop(opts):
-    """The loop a user writes by hand: tensors in memory, shuffled once per epoch, sliced into batches."""
+def plain_training(opts, model, epoch_batches, samples: int, device) -> None:
+    """The plain loop: AdamW steps over each epoch's (inputs, targets) batches, every epoch timed
+    from its first batch's loading to its last step and recorded as ddp_train.py records it."""
     import torch
     import torch.nn.functional as F
 
-    import ddp_train
-
-    args = ddp_train.parse_args(["--num-samples", str(opts.num_samples), "--seed", "0"])
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    train_set, _ = ddp_train.build_datasets(args)
-    x, y = (t.to(device) for t in train_set.tensors)
-    torch.manual_seed(0)
-    model = ddp_train.build_model(args).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
     first_step_at = None
     for epoch in range(opts.epochs):
         t0 = time.perf_counter()
-        perm = torch.randperm(len(x), device=device)
-        for xb, yb in zip(x[perm].split(opts.batch_size), y[perm].split(opts.batch_size)):
+        for xb, yb in epoch_batches(epoch):
             optimizer.zero_grad(set_to_none=True)
             F.cross_entropy(model(xb), yb).backward()
             optimizer.step()
@@ -78,7 +77,50 @@ def hand_written_loop(opts):
                 first_step_at = time.time()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        record(opts.metrics, epoch + 1, len(x), time.perf_counter() - t0, first_step_at, device)
+        record(opts.metrics, epoch + 1, samples, time.perf_counter() - t0, first_step_at, device)
+
+
+def hand_written_loop(opts):
+    """The loop a user writes by hand: tensors in memory, shuffled once per epoch, sliced into batches."""
+    import torch
+
+    import ddp_train
+
+    args = ddp_train.parse_args(["--num-samples", str(opts.num_samples), "--seed", "0"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    train_set, _ = ddp_train.build_datasets(args)
+    x, y = (t.to(device) for t in train_set.tensors)
+    torch.manual_seed(0)
+    model = ddp_train.build_model(args).to(device)
+
+    def epoch_batches(epoch):
+        perm = torch.randperm(len(x), device=device)
+        return zip(x[perm].split(opts.batch_size), y[perm].split(opts.batch_size))
+
+    plain_training(opts, model, epoch_batches, len(x), device)
+
+
+def user_dataset_loop(opts):
+    """The loop a user writes for their own Dataset: a DataLoader that shuffles, with the same batch
+    size and worker count as ddp_train.py gets, over examples/digits.py's Dataset and model."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    import ddp_train
+    from examples import digits
+
+    args = ddp_train.parse_args(["--seed", "0"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    train_set, _ = digits.build_datasets(args)
+    model = digits.build_model(args).to(device)
+    loader = DataLoader(train_set, batch_size=opts.batch_size, shuffle=True, num_workers=opts.workers,
+                        persistent_workers=opts.workers > 0, pin_memory=device.type == "cuda")
+
+    def epoch_batches(epoch):
+        return ((xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)) for xb, yb in loader)
+
+    plain_training(opts, model, epoch_batches, len(train_set), device)
 
 
 def tutorial_ddp(opts):
@@ -132,14 +174,22 @@ CONFIGS = [  # (key, label, processes, program)
     ("ddp_2", "ddp_train.py, torchrun 2x1", 2, "ddp_train"),
     ("hand_1", "hand-written loop, 1 process", 1, "hand"),
     ("tutorial_2", "tutorial DDP, torchrun 2x1", 2, "tutorial"),
+    ("digits_1", "ddp_train.py (your Dataset)", 1, "digits"),
+    ("digits_hand_1", "hand-written DataLoader loop", 1, "digits_hand"),
 ]
-RATIOS = [("ddp_1", "hand_1"), ("ddp_2", "tutorial_2"), ("ddp_2", "ddp_1")]
+RATIOS = [("ddp_1", "hand_1"), ("ddp_2", "tutorial_2"), ("ddp_2", "ddp_1"), ("digits_1", "digits_hand_1")]
+BASELINES = {"hand": hand_written_loop, "tutorial": tutorial_ddp, "digits_hand": user_dataset_loop}
 
 
 def command(opts, nproc, program, metrics: Path) -> list[str]:
-    common = ["--epochs", str(opts.epochs), "--num-samples", str(opts.num_samples), "--batch-size", str(opts.batch_size)]
-    if program == "ddp_train":
-        script = [str(HERE / "ddp_train.py"), *common, "--out-dir", str(metrics.parent), "--resume", "never"]
+    common = ["--epochs", str(opts.epochs), "--batch-size", str(opts.batch_size)]
+    if program.startswith("digits"):  # the user-Dataset pair: examples/digits.py's own data, N workers
+        common += ["--workers", str(opts.workers)]
+    else:
+        common += ["--num-samples", str(opts.num_samples)]
+    if program in ("ddp_train", "digits"):
+        trainer = HERE / ("ddp_train.py" if program == "ddp_train" else "examples/digits.py")
+        script = [str(trainer), *common, "--out-dir", str(metrics.parent), "--resume", "never"]
     else:
         script = [str(HERE / "bench_ddp_train.py"), "--baseline", program, *common, "--metrics", str(metrics)]
     if nproc == 1:
@@ -151,6 +201,8 @@ def run_once(opts, key, nproc, program, workdir: Path) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=workdir))
     metrics = out / "metrics.jsonl"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # examples/digits.py imports ddp_train, as a user's script beside it would
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     env.pop("OMP_NUM_THREADS", None)  # each configuration sets its threads as it would for a user
     if opts.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -178,14 +230,16 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=6, help="epochs per run; the first is excluded as warm-up")
     p.add_argument("--num-samples", type=int, default=32768)
     p.add_argument("--batch-size", type=int, default=64, help="per process")
+    p.add_argument("--workers", type=int, default=0,
+                   help="DataLoader workers of the user-Dataset pair (5, 6): ddp_train.py --workers, num_workers")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--timeout", type=float, default=600, help="seconds for any one run")
-    p.add_argument("--baseline", choices=("hand", "tutorial"), help=argparse.SUPPRESS)
+    p.add_argument("--baseline", choices=tuple(BASELINES), help=argparse.SUPPRESS)
     p.add_argument("--metrics", help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
     if opts.baseline:
         sys.path.insert(0, str(HERE))
-        return hand_written_loop(opts) if opts.baseline == "hand" else tutorial_ddp(opts)
+        return BASELINES[opts.baseline](opts)
     if opts.quick:
         opts.rounds, opts.epochs, opts.num_samples = 1, 2, 8192
 
@@ -198,8 +252,10 @@ def main(argv=None):
         if torch.cuda.device_count() < 2:  # two processes need two GPUs
             configs = [c for c in CONFIGS if c[2] == 1]
     where = torch.cuda.get_device_name() if opts.device == "cuda" else f"{os.cpu_count()} CPU cores"
-    print(f"workload: {opts.num_samples:,} samples, batch {opts.batch_size}/process, {opts.epochs} epochs "
-          f"(first excluded), {opts.rounds} interleaved round(s); torch {torch.__version__}, {where}", flush=True)
+    print(f"workload: batch {opts.batch_size}/process, {opts.epochs} epochs (first excluded), "
+          f"{opts.rounds} interleaved round(s); torch {torch.__version__}, {where}\n"
+          f"  data: {opts.num_samples:,} in-memory samples; your Dataset: examples/digits.py's training set, "
+          f"{opts.workers} DataLoader worker(s)", flush=True)
 
     results = {key: [] for key, *_ in configs}
     with tempfile.TemporaryDirectory(prefix="bench_ddp_train-") as workdir:
@@ -214,13 +270,13 @@ def main(argv=None):
         print(f"{label:<30} {spread([r['samples_per_sec'] for r in runs], lambda v: f'{v:,.0f}'):>30} "
               f"{spread([r['first_step_s'] for r in runs], lambda v: f'{v:.2f} s'):>22} "
               f"{spread([r['peak_rss_mb'] for r in runs], lambda v: f'{v:.0f} MB'):>17}")
-    print(f"\n{'ratio (per round)':<56} {'median (min-max)':>20} {'target':>8}")
+    print(f"\n{'ratio (per round)':<60} {'median (min-max)':>20} {'target':>8}")
     labels = {key: label for key, label, *_ in configs}
     for a, b in RATIOS:
         if a in results and b in results:
             ratios = [x["samples_per_sec"] / y["samples_per_sec"] for x, y in zip(results[a], results[b])]
             target = f">= {TARGETS[a, b]:.2f}" if (a, b) in TARGETS else ""
-            print(f"{labels[a] + ' / ' + labels[b]:<56} {spread(ratios, lambda v: f'{v:.2f}x'):>20} {target:>8}")
+            print(f"{labels[a] + ' / ' + labels[b]:<60} {spread(ratios, lambda v: f'{v:.2f}x'):>20} {target:>8}")
     if opts.quick:
         print("\n--quick measures one short epoch per configuration: it checks that everything runs; its figures\n"
               "swing with the machine's noise. Without --quick the figures are medians over interleaved rounds.")
