@@ -1,19 +1,24 @@
 """The launch harness for test_ddp_train.py: real processes, each in its own session with a hard
-timeout that kills its whole process group; two hosts made of network namespaces; and a user's
-project directory (ddp_train.py beside examples/digits.py and a few variants of it)."""
+timeout that kills its whole process group; two hosts made of network namespaces; a user's
+project directory (ddp_train.py beside examples/digits.py and a few variants of it); and a real
+SLURM cluster (slurmctld and slurmd) on this machine."""
 
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -241,12 +246,7 @@ class Host:
                 hostname or self.hostname, *map(str, argv)]
 
     def kill_all(self):
-        pids = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        send(subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True).stdout.split())
 
 
 def sh(*argv):
@@ -628,3 +628,436 @@ def project(tmp_path_factory) -> Path:
     for name, text in VARIANTS.items():
         (d / name).write_text(text.lstrip())
     return d
+
+
+# ---------------------------------------------------------------------------
+# A real SLURM cluster (Debian 12's slurmctld/slurmd 22.05) on this machine, for tests. As root:
+# 
+#     apt-get install -y --no-install-recommends slurmctld slurmd slurm-client
+# 
+# Fixtures (skipped without root or without Slurm):
+#   slurm_cluster   one node, named after this host, on the host network (127.0.0.1)
+#   slurm_cluster2  two nodes, node0 (10.232.0.1) and node1 (10.232.0.2), each in a network namespace of its
+#                   own, joined by a veth pair; slurmctld runs on node0, and so do client commands
+# Each test gets a started cluster; afterwards its jobs are cancelled, and processes still running are killed
+# and reported as an error of that test. Parametrize indirectly with the proctrack plugin or a dict of
+# SlurmCluster options: @pytest.mark.parametrize("slurm_cluster", ["pgid"], indirect=True). A cluster starts
+# once per session and configuration (0.1 s; 0.3 s for two nodes) and stops at its end, also on Ctrl-C or
+# SIGTERM; what a SIGKILLed session left is reaped by the next one. Config, state and daemon logs are in
+# /tmp/slurm-fixture/<pid of the session>x<n>/; no munged, nothing of /etc/slurm.
+# ---------------------------------------------------------------------------
+
+SLURM_BASE = Path(tempfile.gettempdir()) / "slurm-fixture"  # short: slurmd's socket paths must fit 108 bytes
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+                "BOOT_FAIL", "DEADLINE"}
+_clusters_made = itertools.count()
+
+SLURM_CONF_TEMPLATE = """\
+ClusterName=fixture
+SlurmctldHost={nodes[0]}({addrs[0]})
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+# No munged: nothing is signed, fine for a cluster that only this machine can reach.
+AuthType=auth/none
+CredType=cred/none
+# A requeued job is held for cred_expire + 1 s (default: 20 min); 5 is the smallest value accepted.
+AuthInfo=cred_expire=5
+ProctrackType=proctrack/{proctrack}
+TaskPlugin=task/none
+MpiDefault=none
+SwitchType=switch/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+MailProg=/bin/true
+PlugStackConfig={root}/plugstack.conf
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd-%n.log
+ReturnToService=2
+SlurmdTimeout=30
+MessageTimeout=10
+# Finished jobs stay in `scontrol show job` (no sacct without accounting).
+MinJobAge=300
+KillWait=2
+InactiveLimit=0
+JobRequeue=1
+# Start pending and requeued jobs within a second, not at the default 60 s scheduling pass.
+SchedulerParameters=sched_interval=1
+# Each node declares `cpus` CPUs whatever this machine has (config_overrides: else the node is INVAL).
+# With 2, -N2 -n4 puts 2 tasks on each node; with more, SLURM fills node0 first.
+SlurmdParameters=config_overrides
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+{node_lines}
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _run_group(argv, timeout, **kw):
+    """subprocess.run in a session of its own; on timeout its whole process group is killed."""
+    with subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, **kw) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(argv, timeout, out, err) from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def send(pids, sig=signal.SIGKILL):
+    """Signal every process of `pids` that still exists."""
+    for pid in pids:
+        try:
+            os.kill(int(pid), sig)
+        except ProcessLookupError:
+            pass
+
+
+_kill = send
+
+
+def _stat(pid):
+    """(state, ppid) of a process, or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _describe(pid):
+    try:
+        return f"{pid} " + Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
+    except OSError:
+        return str(pid)
+
+
+def _pids_of(root, namespaces=()):
+    """Running processes of the cluster in `root` (zombies hold nothing): all those in its network
+    namespaces; those whose environment names a slurm.conf under root (daemons, jobs, tasks, sruns); those
+    with a file under root open (slurmstepd: its title overwrites its environment, not its open log)."""
+    pids = set()
+    for ns in namespaces:
+        pids.update(map(int, subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
+                                            timeout=10).stdout.split()))
+    marker, prefix = f"SLURM_CONF={root}/".encode(), f"{root}/"
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            if any(v.startswith(marker) for v in (p / "environ").read_bytes().split(b"\0")) or any(
+                    os.readlink(fd).startswith(prefix) for fd in (p / "fd").iterdir()):
+                pids.add(int(p.name))
+        except OSError:
+            pass
+    return {pid for pid in pids if (_stat(pid) or ("Z",))[0] != "Z"}
+
+
+class SlurmCluster:
+    """slurmctld and one slurmd per node, as children of this process; see the module docstring."""
+
+    def __init__(self, nodes=1, proctrack="linuxproc", cpus=2):
+        self.proctrack, self.cpus = proctrack, cpus
+        self.name = f"{os.getpid()}x{next(_clusters_made)}"
+        self.root = SLURM_BASE / self.name
+        self.conf = self.root / "slurm.conf"
+        # Jobs inherit this (sbatch exports the submitter's environment): the config, and this Python's bin
+        # first on PATH, so that `python` in a job script is the test's.
+        path = os.pathsep.join([os.path.dirname(sys.executable), "/usr/local/sbin", "/usr/local/bin",
+                                "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
+        self.env = {"PATH": path, "SLURM_CONF": str(self.conf), "HOME": os.environ.get("HOME", "/root"),
+                    "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1"}
+        self.namespaces = []
+        if nodes == 1:  # named after this host, so that the names jobs get (SLURM_JOB_NODELIST...) resolve
+            self.nodes, self.addrs = [socket.gethostname().split(".")[0]], ["127.0.0.1"]
+        else:  # a subnet only the namespaces see (the project's own are 10.231.*)
+            assert nodes == 2, "a veth pair joins two namespaces; more nodes would need a bridge"
+            self.nodes, self.addrs = ["node0", "node1"], ["10.232.0.1", "10.232.0.2"]
+            self.namespaces = [f"slurmfx{self.name}n{i}" for i in range(nodes)]
+            self._veths = [f"vf{self.name}n{i}" for i in range(nodes)]  # at most 15 characters
+        self._daemons, self._outputs = [], {}
+        self.started_at = None
+
+    def cmd(self, argv, node=0):
+        """argv running `argv` on a node: as is on one node; else in the node's network namespace, with its
+        hostname and an /etc/hosts naming all nodes (not `ip netns exec`: it remounts /sys, which slurmd
+        does not survive). All else is shared: files under /tmp, and one pid namespace."""
+        argv = [str(a) for a in argv]
+        if not self.namespaces:
+            return argv
+        return ["nsenter", f"--net=/run/netns/{self.namespaces[node]}", "unshare", "--uts", "--mount", "sh", "-c",
+                'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"',
+                "sh", self.root / "hosts", self.nodes[node], *argv]
+
+    def run(self, argv, timeout=30, check=False, node=0, env=None, **kw):
+        """Run a command on a node (default node0, where slurmctld is) in the cluster's environment plus
+        `env`; return its CompletedProcess (text)."""
+        r = _run_group(self.cmd(argv, node), timeout, env={**self.env, **(env or {})}, **kw)
+        if check and r.returncode:
+            raise AssertionError(f"{shlex.join(map(str, argv))} exited {r.returncode}:\n{r.stdout}{r.stderr}")
+        return r
+
+    def sbatch(self, script, *args, cwd=None, env=None, output=None, timeout=30):
+        """Submit a batch script (its text; #!/bin/bash unless it has a #! line) with sbatch options `args`,
+        from `cwd`, with the cluster's environment plus `env`; return the job id. Its stdout and stderr go
+        to `output` (default: cwd/slurm-%j.out); see output()."""
+        cwd = Path(cwd or self.root / "jobs")
+        path = self.root / "jobs" / f"script{len(self._outputs)}.sh"
+        path.write_text(script if script.startswith("#!") else "#!/bin/bash\n" + script)
+        output = str(output or cwd / "slurm-%j.out")
+        r = self.run(["sbatch", "--parsable", f"--chdir={cwd}", f"--output={output}", *args, path], timeout,
+                     check=True, env=env)
+        job_id = r.stdout.strip().split(";")[0]
+        self._outputs[job_id] = output.replace("%j", job_id)
+        return job_id
+
+    def output(self, job_id):
+        path = Path(self._outputs[str(job_id)])
+        return path.read_text() if path.exists() else ""
+
+    def job_info(self, job_id):
+        """`scontrol show job` as a dict: JobState, ExitCode ("code:signal"), Restarts, Reason...; empty
+        once slurmctld has forgotten the job (MinJobAge, 300 s after its end)."""
+        r = self.run(["scontrol", "show", "job", "-o", job_id])
+        return dict(re.findall(r"(\S+?)=(.*?)(?= \S+?=|$)", r.stdout.strip())) if r.returncode == 0 else {}
+
+    def wait(self, job_id, timeout=60, states=FINAL_STATES):
+        """Poll until the job is in one of `states` (default: ended, its processes gone; until then it is
+        COMPLETING); return its job_info()."""
+        deadline = time.monotonic() + timeout
+        while (info := self.job_info(job_id)).get("JobState") not in states:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} not {'/'.join(sorted(states))} after {timeout} s: {info}\n"
+                                   f"output:\n{self.output(job_id) if str(job_id) in self._outputs else ''}")
+            time.sleep(0.2)
+        return info
+
+    def scancel(self, job_id, *options, signal=None):
+        """Cancel the job, or send `signal` (USR1, TERM...) to the processes of its steps, not to the batch
+        shell (options: "--batch": the batch shell's process only; "--full": both)."""
+        return self.run(["scancel", *([f"--signal={signal}"] if signal else []), *options, job_id], check=True)
+
+    def requeue(self, job_id):
+        return self.run(["scontrol", "requeue", job_id], check=True)
+
+    def update(self, job_id, **fields):
+        """scontrol update JobId=job_id Field=value...: e.g. TimeLimit=2 (minutes), also of a running job."""
+        return self.run(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())],
+                        check=True)
+
+    def start(self, timeout=30):
+        t0 = time.monotonic()
+        if self.root.exists():  # left by a dead session that had our pid
+            _reap(self.root)
+        for d in ("state", "log", "jobs", *(f"spool/{n}" for n in self.nodes)):
+            (self.root / d).mkdir(parents=True, exist_ok=True)
+        (self.root / "plugstack.conf").write_text("")
+        self.conf.write_text(SLURM_CONF_TEMPLATE.format(
+            root=self.root, nodes=self.nodes, addrs=self.addrs, ctld_port=_free_port(), slurmd_port=_free_port(),
+            proctrack=self.proctrack, node_lines="\n".join(f"NodeName={n} NodeAddr={a} CPUs={self.cpus}"
+                                                           for n, a in zip(self.nodes, self.addrs))))
+        if self.namespaces:
+            self._make_namespaces()
+        self.started_at = time.time()  # slurmctld checks time limits (and sends --signal) every 30 s from here
+        self._daemon(["slurmctld", "-D"], 0, "slurmctld")  # -D: our child, waited for; no pid file to trust
+        while "UP" not in self.run(["scontrol", "ping"], timeout=10).stdout:  # a slurmd that finds no
+            self._check_start(t0, timeout)                                     # slurmctld retries 1 s later
+        for i, n in enumerate(self.nodes):
+            self._daemon(["slurmd", "-D", "-N", n], i, f"slurmd-{n}")
+        while self.run(["sinfo", "-h", "-N", "-o", "%t"], timeout=10).stdout.split() != ["idle"] * len(self.nodes):
+            self._check_start(t0, timeout)
+        return self
+
+    def _check_start(self, t0, timeout):
+        dead = [d.name for d in self._daemons if d.poll() is not None]
+        if dead or time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"Slurm did not start (exited: {dead}):\n{self.logs()}")
+        time.sleep(0.05)
+
+    def _daemon(self, argv, node, name):
+        with open(self.root / "log" / f"{name}.out", "w") as out:  # errors from before its log file opens
+            self._daemons.append(subprocess.Popen(self.cmd(argv, node), env=self.env, stdout=out,
+                                                  stderr=subprocess.STDOUT, start_new_session=True))
+        self._daemons[-1].name = name
+
+    def _make_namespaces(self):
+        (self.root / "hosts").write_text("127.0.0.1 localhost\n" +
+                                         "".join(f"{a} {n}\n" for n, a in zip(self.nodes, self.addrs)))
+        def sh(*argv):
+            subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30)
+
+        for ns in self.namespaces:
+            sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", self._veths[0], "type", "veth", "peer", "name", self._veths[1])
+        for ns, veth, addr in zip(self.namespaces, self._veths, self.addrs):
+            sh("ip", "link", "set", veth, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
+            sh("ip", "-n", ns, "link", "set", veth, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def processes(self):
+        """Pids of everything of this cluster still running but its daemons (and slurmctld's helper)."""
+        daemons = {d.pid for d in self._daemons}
+        pids = _pids_of(self.root, self.namespaces)
+        return {pid for pid in pids if pid not in daemons and (_stat(pid) or ("", 0))[1] not in daemons}
+
+    def reset(self, timeout=15):
+        """Cancel every job, wait (up to `timeout` s) until they are gone and give their last processes a
+        second, then kill whatever still runs but the daemons. Returns descriptions of those killed: leaks
+        (a process that left its parent for a session of its own escapes proctrack)."""
+        jobs = self.run(["squeue", "-h", "-o", "%A"], timeout=10).stdout.split()
+        if jobs:  # SIGTERM, SIGKILL KillWait s later
+            self.run(["scancel", *jobs], timeout=10)
+        deadline = time.monotonic() + timeout
+        while jobs and self.run(["squeue", "-h", "-o", "%A"], timeout=10).stdout.split():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        deadline = time.monotonic() + 1  # a job's slurmstepd exits a moment after squeue drops the job
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        strays = self.processes()
+        found = [_describe(p) for p in sorted(strays)]
+        _kill(strays)
+        # A node drained by a step that could not be killed would fail every later test.
+        for line in self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=10).stdout.splitlines():
+            name, state = line.split()
+            if state.rstrip("*~#") not in ("idle", "alloc", "mix", "comp"):
+                self.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"], timeout=10)
+        return found
+
+    def stop(self):
+        """Stop everything, also after a failed start. The directory (logs) stays until the next session."""
+        try:
+            if self._daemons and all(d.poll() is None for d in self._daemons):
+                self.reset(timeout=5)
+        except (subprocess.SubprocessError, OSError, ValueError):
+            pass
+        for d in reversed(self._daemons):  # slurmds first
+            d.terminate()
+        for d in self._daemons:
+            try:
+                d.wait(5)
+            except subprocess.TimeoutExpired:
+                d.kill()
+                d.wait(5)
+        _reap(self.root, self.namespaces, remove=False)
+        for veth in getattr(self, "_veths", []):  # still on the host if start failed before moving it
+            subprocess.run(["ip", "link", "del", veth], capture_output=True, timeout=30)
+
+    def logs(self, lines=30):
+        """The last lines of the daemons' logs, for error messages."""
+        return "".join(f"--- {p.name}\n" + "".join(p.read_text(errors="replace").splitlines(True)[-lines:])
+                       for p in sorted((self.root / "log").glob("*")))
+
+
+def _reap(root, namespaces=None, remove=True):
+    """Kill every process of the cluster in `root` and delete its namespaces (default: all those named
+    after it); with `remove`, its directory too."""
+    if namespaces is None:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        namespaces = [ns for ns in listed if re.fullmatch(f"slurmfx{root.name}n\\d+", ns)]
+    for _ in range(3):  # again for what the killed ones' children became
+        _kill(_pids_of(root, namespaces))
+        time.sleep(0.05)
+    for ns in namespaces:  # takes its end of the veth pair along
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    if remove:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def reap_dead_sessions():
+    """What sessions killed without a chance to clean up (SIGKILL) left: processes, namespaces, directories."""
+    for root in SLURM_BASE.glob("*x*"):
+        pid = root.name.split("x")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            _reap(root)
+
+
+def _slurm_skip_reason(nodes):
+    if os.geteuid() != 0:
+        return "a SLURM cluster needs root (slurmd runs jobs as root here)"
+    tools = ["slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo"]
+    missing = [t for t in tools + (["ip", "nsenter", "unshare", "mount"] if nodes > 1 else []) if not shutil.which(t)]
+    if missing:
+        return f"missing {' '.join(missing)} (apt-get install --no-install-recommends slurmctld slurmd slurm-client)"
+    return None
+
+
+def _sigterm_to_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@pytest.fixture(scope="session")
+def slurm_clusters():
+    """get(nodes=1, proctrack="linuxproc", cpus=2): a started SlurmCluster, one per configuration and
+    session; all stopped at its end."""
+    clusters = {}
+    # SIGTERM (`timeout`, a CI cancel) would end Python at once: as Ctrl-C, it runs the teardowns.
+    restore = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and threading.current_thread() is \
+        threading.main_thread()
+    if restore:
+        signal.signal(signal.SIGTERM, _sigterm_to_keyboard_interrupt)
+
+    def get(nodes=1, **options):
+        key = (nodes, *sorted(options.items()))
+        if key not in clusters:
+            reason = _slurm_skip_reason(nodes)
+            if reason:
+                pytest.skip(reason)
+            if not clusters:
+                reap_dead_sessions()
+            cluster = SlurmCluster(nodes, **options)
+            try:
+                cluster.start()
+            except subprocess.CalledProcessError as exc:  # from `ip`: root without CAP_NET_ADMIN...
+                cluster.stop()
+                pytest.skip(f"cannot create network namespaces here: {exc.stderr or exc}")
+            except BaseException:
+                cluster.stop()
+                raise
+            clusters[key] = cluster
+        return clusters[key]
+
+    try:
+        yield get
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
+        if restore:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _cluster_fixture(request, slurm_clusters, nodes):
+    param = getattr(request, "param", {})
+    cluster = slurm_clusters(nodes, **({"proctrack": param} if isinstance(param, str) else param))
+    yield cluster
+    leaked = cluster.reset()
+    if leaked and getattr(request.session, "exitstatus", None) != pytest.ExitCode.INTERRUPTED:
+        pytest.fail("processes left running after the test (killed):\n" + "\n".join(leaked))
+
+
+@pytest.fixture
+def slurm_cluster(request, slurm_clusters):
+    """A 1-node cluster; parametrize indirectly with "linuxproc" or "pgid", or a dict of SlurmCluster options."""
+    yield from _cluster_fixture(request, slurm_clusters, 1)
+
+
+@pytest.fixture
+def slurm_cluster2(request, slurm_clusters):
+    """A 2-node cluster (node0, node1); parametrized like slurm_cluster."""
+    yield from _cluster_fixture(request, slurm_clusters, 2)

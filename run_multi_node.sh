@@ -11,7 +11,7 @@
 # nodes in the job     --nnodes N        NNODES           1
 # this node's rank     --node-rank R     NODE_RANK        0 (used by --rdzv static; c10d numbers nodes itself)
 # node 0's address     --master-addr A   MASTER_ADDR      127.0.0.1 (must be reachable from every node)
-# its port             --master-port P   MASTER_PORT      29500 (a free one when NNODES=1)
+# its port             --master-port P   MASTER_PORT      29500 (a free one when NNODES=1; --slurm: from the job)
 # processes per node   --nproc-per-node  NPROC_PER_NODE   the number of GPUs, or 1 without any
 # rendezvous           --rdzv c10d|static RDZV            c10d: elastic, recommended; static: fixed node ranks
 # job id (c10d)        --rdzv-id ID      RDZV_ID          ddp_train; the same on every node, unique per job
@@ -20,13 +20,21 @@
 # restarts             --max-restarts K  MAX_RESTARTS     0; after a failure all workers restart and resume
 # Anything else, or everything after --, goes to ddp_train.py. PYTHON picks the interpreter.
 #
-# SLURM: `--slurm` takes NNODES, NODE_RANK, RDZV_ID and NPROC_PER_NODE from the job, and MASTER_ADDR
-# from the first host of SLURM_JOB_NODELIST. One torchrun per node, started by srun:
+# Timeouts: every node waits up to TIMEOUT (300 s) for node 0's port and for all nodes to join, and
+# ddp_train.py gives a collective that long. A stop signal (SIGTERM, SIGUSR1, SIGINT, SIGHUP) goes to
+# torchrun, which passes it to the workers and gives them 30 s to checkpoint and exit before SIGKILL;
+# this script SIGKILLs a torchrun that is still running 45 s after the signal. The workers exit 75 once
+# their checkpoint is saved, torchrun and this script 1. It prints the timeouts and the exact torchrun
+# command on stderr before it starts.
+#
+# SLURM: `--slurm` takes NNODES, NODE_RANK, RDZV_ID and NPROC_PER_NODE from the job step, MASTER_ADDR
+# from the first host of the step's nodes, and MASTER_PORT from the job and step ids. One torchrun per
+# node, started by srun. The batch script the tests run (on GPU nodes add e.g. --gpus-per-node=8):
 #
 #   #!/bin/bash
-#   #SBATCH --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 --cpus-per-task=32
+#   #SBATCH --nodes=2 --ntasks-per-node=1
 #   #SBATCH --signal=USR1@120   # 2 minutes before the time limit: every worker checkpoints and stops
-#   #SBATCH --requeue
+#   #SBATCH --requeue --open-mode=append   # a requeued run appends to the log instead of replacing it
 #   srun ./run_multi_node.sh --slurm -- --out-dir /shared/runs/$SLURM_JOB_ID
 #   # Not finished (stopped by the signal, or a node failed)? Continue in a new allocation from the checkpoint.
 #   [ -f /shared/runs/$SLURM_JOB_ID/model.pt ] || [ "${SLURM_RESTART_COUNT:-0}" -ge 5 ] || scontrol requeue "$SLURM_JOB_ID"
@@ -37,15 +45,30 @@ if [[ -z "${PYTHON:-}" ]]; then
   [[ -x "$here/.venv/bin/python" ]] && PYTHON="$here/.venv/bin/python"
 fi
 die() { echo "run_multi_node.sh: $*" >&2; exit 2; }
+# A stop signal goes to torchrun, which passes it to the workers and gives them 30 s. SLURM and a
+# terminal signal torchrun themselves; if torchrun does not say within a second that it got it (a
+# `kill` of this script alone), it is passed on (a second one would abort torchrun's shutdown). A
+# torchrun blocked on a node that left the network cannot act on it: it gets SIGKILL 45 s later.
+# Before torchrun runs there is nothing to save: exit 75 (130 after Ctrl-C), "run again".
+pid='' signalled='' forward_in='' kill_at=''
+on_signal() {
+  if [[ -z "$pid" ]]; then
+    echo "run_multi_node.sh: SIG$1 before torchrun started; nothing to save, run again to start" >&2
+    exit "$([[ $1 == INT ]] && echo 130 || echo 75)"
+  fi
+  signalled=$1 forward_in=5 kill_at=$((SECONDS + 45))  # 5 turns of the loop below
+}
+for sig in TERM INT HUP USR1; do trap "on_signal $sig" "$sig"; done
 
 first_host() {  # first host of a SLURM node list: "gpu[07-09,12],cpu1" -> gpu07
-  if command -v scontrol >/dev/null 2>&1; then scontrol show hostnames "$1" | head -n 1; return; fi
+  local hosts  # scontrol knows every spelling, but needs a configured cluster; else parse it here
+  if hosts=$(scontrol show hostnames "$1" 2>/dev/null) && [[ -n "$hosts" ]]; then echo "${hosts%%$'\n'*}"; return; fi
   local head=${1%%,*}
   if [[ "$1" =~ ^([^,\[]*)\[([0-9]+) ]]; then head="${BASH_REMATCH[1]}${BASH_REMATCH[2]}"; fi
   echo "$head"
 }
 
-master_addr_given=${MASTER_ADDR:+yes}
+master_addr_given=${MASTER_ADDR:+yes} slurm=''
 train_args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -61,17 +84,29 @@ while [[ $# -gt 0 ]]; do
     --max-restarts) MAX_RESTARTS=$2; shift 2 ;;
     --slurm)
       [[ -n "${SLURM_JOB_ID:-}" && -n "${SLURM_NODEID:-}" ]] || die "--slurm: not inside a SLURM job step (run it with srun)"
-      NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
-      NODE_RANK=$SLURM_NODEID
-      MASTER_ADDR=$(first_host "${SLURM_JOB_NODELIST:-${SLURM_NODELIST:?}}"); master_addr_given=yes
+      # The step's own variables win over the job's: a step may run on part of the allocation.
+      NNODES=${SLURM_STEP_NUM_NODES:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}}
+      (( ${SLURM_STEP_NUM_TASKS:-$NNODES} <= NNODES )) ||
+        die "--slurm starts one torchrun per node, but this step has $SLURM_STEP_NUM_TASKS tasks on $NNODES node(s): use srun --ntasks-per-node=1"
+      NODE_RANK=$SLURM_NODEID  # relative to the step, like its node list
+      MASTER_ADDR=$(first_host "${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:-${SLURM_NODELIST:?}}}"); master_addr_given=yes
       RDZV_ID=${RDZV_ID:-slurm-$SLURM_JOB_ID}
       [[ -n "${SLURM_GPUS_ON_NODE:-}" ]] && NPROC_PER_NODE=${NPROC_PER_NODE:-$SLURM_GPUS_ON_NODE}
-      shift ;;
+      slurm=yes; shift ;;
     --) shift; train_args+=("$@"); break ;;
     *) train_args+=("$1"); shift ;;
   esac
 done
 
+# --slurm: two jobs (or two steps of one job) on one node need two ports, and all nodes of a step must
+# agree without talking: 61000-65499 is above Linux's ephemeral ports (32768-60999), where no outgoing
+# connection takes it by chance, and apart from ddp_train.py's bare-srun ports (15000 + job id % 20000);
+# job id x 11 + step id: 4500 consecutive jobs' first steps all differ, and so do the first 11 steps of
+# neighbouring jobs (11 is prime to 4500). A requeued job keeps its id: its restart count moves it to
+# another port, as the previous run's last processes may still hold the old one for a few seconds.
+if [[ -n "$slurm" && -z "${MASTER_PORT:-}" ]]; then
+  MASTER_PORT=$(( 61000 + (SLURM_JOB_ID * 11 + ${SLURM_STEP_ID:-0} + 2221 * ${SLURM_RESTART_COUNT:-0}) % 4500 ))
+fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
@@ -88,23 +123,27 @@ for v in NNODES NODE_RANK MASTER_PORT NPROC_PER_NODE TIMEOUT MAX_RESTARTS; do
 done
 (( NODE_RANK < NNODES )) || die "NODE_RANK $NODE_RANK is not below NNODES $NNODES"
 (( NNODES == 1 )) || [[ -n "$master_addr_given" ]] || die "NNODES is $NNODES: set MASTER_ADDR to node 0's address (the same on every node)"
+# What torchrun's environment gets from here (printed with its command).
+envs=()
 if [[ -n "${IFNAME:-}" ]]; then
   # The interface that carries traffic between nodes (see `ip -brief addr`): without it gloo and
   # NCCL may pick one that other nodes cannot reach (docker0, a VPN) and hang at init.
-  export GLOO_SOCKET_IFNAME=$IFNAME NCCL_SOCKET_IFNAME=$IFNAME
+  envs+=(GLOO_SOCKET_IFNAME="$IFNAME" NCCL_SOCKET_IFNAME="$IFNAME")
 fi
 # After a failure with --max-restarts, torchrun's agents start a new round; by default they reuse
 # one TCPStore whose stale keys can misdirect the new workers (pytorch/pytorch#135712). A fresh
 # store per round, hosted by the new rank 0, keeps a surviving node and a restarted one in step.
-[[ "$NNODES" -gt 1 && "$RDZV" == c10d ]] && export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
-# Forward SLURM's --signal=USR1 to the workers too, as torchrun does for SIGTERM.
-export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
+[[ "$NNODES" -gt 1 && "$RDZV" == c10d ]] && envs+=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}")
+# torchrun forwards only the signals its --signals-to-handle names (PET_SIGNALS_TO_HANDLE; torch >= 2.9),
+# and SLURM's --signal=USR1 is not among its defaults: without it, USR1 kills torchrun before the
+# workers save. (It overwrites TORCHELASTIC_SIGNALS_TO_HANDLE with that option's value.)
+envs+=(PET_SIGNALS_TO_HANDLE="${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}")
 
 # Preflight, so the common mistakes get one clear line instead of a hang or a traceback.
 # The machine that owns MASTER_ADDR hosts the rendezvous, and its port must be free; every other
 # node waits (up to TIMEOUT) until it can connect to MASTER_ADDR:MASTER_PORT. Either way we learn
 # this node's address as the others see it, and tell torchrun (no reliance on hostname lookups).
-role= local_addr=
+role='' local_addr=''
 if [[ -n "$master_addr_given" ]]; then
   verdict=$("$PYTHON" - "$MASTER_ADDR" "$MASTER_PORT" "$TIMEOUT" <<'PY'
 import errno, socket, sys, time
@@ -114,6 +153,9 @@ try:
 except OSError:
     sys.exit(print(f"MASTER_ADDR {host} does not resolve to an address"))
 with socket.socket() as s:
+    # As TCPStore does: a port whose last connections linger in TIME_WAIT (a run that just ended, a
+    # requeued job) is free; one that something listens on is not.
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind((addr, port))
         sys.exit(print("host", addr))  # this machine owns MASTER_ADDR and the port is free
@@ -143,7 +185,7 @@ PY
   esac
   # gloo advertises the address this machine's hostname resolves to. If that is a loopback address,
   # the other nodes would dial themselves: the interface must be named.
-  if (( NNODES > 1 )) && [[ -z "${GLOO_SOCKET_IFNAME:-}" ]] &&
+  if (( NNODES > 1 )) && [[ -z "${IFNAME:-}${GLOO_SOCKET_IFNAME:-}" ]] &&
      "$PYTHON" -c 'import socket, sys; sys.exit(not socket.gethostbyname(socket.gethostname()).startswith("127."))'; then
     dev=$(ip -o -4 addr show 2>/dev/null | awk -v a="$local_addr" 'index($4, a "/") == 1 {print $2}')
     die "this machine's hostname ($(hostname)) resolves to a loopback address, which other nodes cannot reach: set IFNAME=${dev:-<interface>} (the interface with $local_addr)"
@@ -163,24 +205,33 @@ elif [[ "$RDZV" == static ]]; then
 else
   die "--rdzv must be c10d or static, got '$RDZV'"
 fi
+cmd=("$PYTHON" -m torch.distributed.run "${launch[@]}" "$here/ddp_train.py" --timeout "$TIMEOUT" "${train_args[@]}")
+echo "run_multi_node.sh: $NNODES node(s) x $NPROC_PER_NODE process(es); timeouts: ${TIMEOUT}s for all nodes to" \
+     "join, then after a stop signal 30s for the workers to save (torchrun) and SIGKILL to torchrun at 45s" >&2
+line=$(printf '%q ' "${envs[@]}" "${cmd[@]}")
+echo "run_multi_node.sh: ${line% }" >&2
 
 # Run torchrun in the background so that stop signals reach it (and, through it, the workers)
-# and a failure ends with one line saying what it most likely means.
+# and a failure ends with one line saying what it most likely means. SLURM signals every process
+# of the step, the tee too: it ignores them, so that torchrun's last words still reach the log.
 errlog=$(mktemp "${TMPDIR:-/tmp}/run_multi_node.XXXXXX")
 trap 'rm -f "$errlog"' EXIT
-"$PYTHON" -m torch.distributed.run "${launch[@]}" "$here/ddp_train.py" --timeout "$TIMEOUT" "${train_args[@]}" \
-  2> >(tee "$errlog" >&2) &
+exec 3> >(trap '' TERM INT HUP USR1; exec tee "$errlog" >&2)
+tee_pid=$!
+env "${envs[@]}" "${cmd[@]}" 2>&3 3>&- &
 pid=$!
-# A stop signal goes to torchrun, which passes it to the workers and gives them 30 s. A torchrun
-# blocked on a node that left the network cannot act on it: it gets SIGKILL 45 s later.
-signalled= kill_at=
-for sig in TERM INT HUP USR1; do trap "signalled=$sig kill_at=\$((SECONDS + 45)); kill -$sig $pid 2>/dev/null" "$sig"; done
+exec 3>&-
 while kill -0 "$pid" 2>/dev/null; do
-  if [[ -n "$kill_at" ]] && (( SECONDS >= kill_at )); then kill -KILL "$pid" 2>/dev/null; fi
+  if [[ -n "$forward_in" ]] && (( --forward_in <= 0 )); then
+    grep -q "death signal" "$errlog" || kill "-$signalled" "$pid" 2>/dev/null || true
+    forward_in=
+  fi
+  if [[ -n "$kill_at" ]] && (( SECONDS >= kill_at )); then kill -KILL "$pid" 2>/dev/null || true; fi
   sleep 0.2 & wait $! 2>/dev/null || true
 done
 code=0; wait "$pid" || code=$?
-wait 2>/dev/null || true  # let tee finish writing the log
+# Let tee write the last of torchrun's stderr (2 s at most: a stray worker may hold the pipe open).
+for _ in {1..10}; do kill -0 "$tee_pid" 2>/dev/null || break; sleep 0.2; done
 if (( code != 0 )) && [[ -z "$signalled" ]]; then
   if grep -q "RendezvousTimeoutError" "$errlog"; then
     why="not all $NNODES nodes joined within ${TIMEOUT}s: start the same command on every node (same NNODES, MASTER_ADDR, MASTER_PORT, RDZV_ID)"

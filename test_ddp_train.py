@@ -7,20 +7,23 @@ import ast
 import json
 import os
 import re
+import shlex
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ddp_train
-from conftest import (CORES, HAS_CUDA, PY, ROOT, RUN_MULTI, SCRIPT, Launch, Result, assert_only_rank0_files, edited_copy,
-                      assert_same_run, assert_same_weights, clean_env, default_args, finish, free_port, last_line,
-                      node_env, python_cmd, resumed_at, run, sh, start_nodes, torchrun_cmd, wait_for_checkpoint,
-                      worker_pids)
+from conftest import (CORES, FINAL_STATES, HAS_CUDA, PY, ROOT, RUN_MULTI, SCRIPT, Launch, Result,
+                      assert_only_rank0_files, assert_same_run, assert_same_weights, clean_env, default_args,
+                      edited_copy, finish, free_port, last_line, node_env, python_cmd, resumed_at, run, send, sh,
+                      start_nodes, torchrun_cmd, wait_for_checkpoint, worker_pids)
 
 # A small workload: 2 epochs, 32 samples per process and step. 1000 divides by 2 and 4
 # processes, and not by the global batch (a short last step).
@@ -751,6 +754,256 @@ def test_restarted_node_rejoins_and_run_ends_bit_identical(two_hosts, tmp_path):
     assert "resumed from" in nodes[0].stdout
     assert_same_weights(torch.load(out / "model.pt", weights_only=True),
                         torch.load(tmp_path / "reference" / "model.pt", weights_only=True), exact=True)
+
+
+# ---------------------------------------------------------------------------
+# SLURM: launch modes, preemption and requeue on a real cluster (conftest.py's slurm_cluster fixtures)
+# ---------------------------------------------------------------------------
+
+slurm = pytest.mark.slurm
+
+# 2 nodes x 2 processes x 16: 64 steps, a checkpoint every 8.
+FT4 = ["--num-samples", "4096", "--eval-samples", "64", "--epochs", "1", "--batch-size", "16", "--save-every", "8"]
+# What the jobs' tasks get: two processes per node without GPUs, a rendezvous that gives up after 30 s.
+JOB_ENV = {"NPROC_PER_NODE": "2", "TIMEOUT": "30"}
+
+
+def sbatch_recipe(out_root: Path, *train_args) -> str:
+    """The batch script in run_multi_node.sh's header as it stands, with /shared/runs -> out_root and
+    train_args for ddp_train.py: the tests run what the header shows."""
+    lines = [line[4:] for line in Path(RUN_MULTI).read_text().splitlines() if line.startswith("#   ")]
+    text = "\n".join(lines[next(i for i, line in enumerate(lines) if line.startswith("#!/bin/bash")):]) + "\n"
+    assert "srun ./run_multi_node.sh --slurm -- --out-dir /shared/runs/$SLURM_JOB_ID" in text, text
+    assert '|| scontrol requeue "$SLURM_JOB_ID"' in text and "--requeue" in text, text
+    return text.replace("/shared/runs", str(out_root)).replace("-- --out-dir", f"-- {shlex.join(train_args)} --out-dir")
+
+
+def submit(cluster, tmp_path, script, *options, env=JOB_ENV):
+    """sbatch from the project directory (for ./run_multi_node.sh); output in tmp_path/slurm-JOB.out."""
+    return cluster.sbatch(script, *options, cwd=ROOT, env=env, output=tmp_path / "slurm-%j.out")
+
+
+def as_result(returncode, output, out_dir) -> Result:
+    return Result(SimpleNamespace(proc=SimpleNamespace(returncode=returncode), stdout=output, stderr=output), out_dir)
+
+
+def finished(cluster, job, out_dir, timeout=120, restarts="0") -> Result:
+    """Wait for the job: it must have COMPLETED after `restarts` requeues. Its output and out_dir."""
+    info = cluster.wait(job, timeout)
+    out = cluster.output(job)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", restarts), (info, out)
+    assert "terminate called" not in out, out
+    return as_result(0, out, Path(out_dir))
+
+
+def workers_of(job) -> list[int]:
+    """The ddp_train.py workers of a job, on all its nodes (the nodes share one pid namespace)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            if f"SLURM_JOB_ID={job}".encode() in env and any(v.startswith(b"LOCAL_RANK=") for v in env) \
+                    and b"ddp_train.py" in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def wait_until(predicate, what, timeout=60, output=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"no {what} within {timeout}s\n{output()}"
+        time.sleep(0.05)
+
+
+def wait_for_training(cluster, job, out_dir, world):
+    """Until the job's first checkpoint exists; returns the pids of its `world` workers."""
+    wait_until(lambda: (out_dir / "checkpoint.pt").exists(), "first checkpoint", 90, lambda: cluster.output(job))
+    pids = workers_of(job)
+    assert len(pids) == world, (pids, cluster.output(job))
+    return pids
+
+
+def freeze(pids):
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+
+
+def thaw(pids):
+    send(pids, signal.SIGCONT)
+
+
+def reached(pid, sig) -> bool:
+    """Whether `sig` reached the frozen process `pid`: it waits there pending, or the process runs again
+    (SLURM sends SIGCONT with the signals it delivers) or is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    masks = re.findall(r"^(?:SigPnd|ShdPnd):\s*(\w+)", status, re.M)
+    return "State:\tT" not in status or any(int(m, 16) >> (sig - 1) & 1 for m in masks)
+
+
+def assert_stopped_and_resumed(r: Result, sig: signal.Signals):
+    """torchrun got `sig` and passed it on; every worker saved a checkpoint at one step and exited 75;
+    the second run resumed from that step and saved model.pt once."""
+    got = rf"Received (Signals\.)?({sig.name}|{sig.value}) death signal, shutting down workers"
+    assert re.search(got, r.stdout), r.stdout
+    m = re.search(r"stopped by a signal at step (\d+): .* saved; .*\(exit code 75\)", r.stdout)
+    assert m and resumed_at(r.stdout)[1] == int(m.group(1)), r.stdout
+    assert len(re.findall("^saved ", r.stdout, re.M)) == 1, r.stdout
+
+
+_uninterrupted = {}
+
+
+def uninterrupted(cluster, tmp_path_factory, wait=True) -> Result | None:
+    """The header's batch script run to the end with FT4 on 2 nodes x 2 processes, once per session: what
+    a stopped and resumed run must equal bit for bit. wait=False only submits it."""
+    run = _uninterrupted
+    if "result" not in run and ("job" not in run or run["cluster"].job_info(run["job"]).get("JobState", "gone")
+                                in FINAL_STATES - {"COMPLETED"} | {"gone"}):  # none yet, or cancelled by a failed test
+        run["cluster"], run["dir"] = cluster, tmp_path_factory.mktemp("uninterrupted")
+        run["job"] = submit(cluster, run["dir"], sbatch_recipe(run["dir"], *FT4))
+    if wait and "result" not in run:
+        run["result"] = finished(run["cluster"], run["job"], run["dir"] / run["job"])
+    return run.get("result")
+
+
+# ---------------------------------------------------------------------------
+# Launch modes on SLURM
+# ---------------------------------------------------------------------------
+
+
+@slurm
+def test_srun_tasks_are_the_processes_of_one_run(slurm_cluster, tmp_path):
+    # A bare `srun -n2 python ddp_train.py`: two tasks, one world of 2, one model.pt.
+    out = tmp_path / "out"
+    r = slurm_cluster.run(["srun", "-n2", PY, SCRIPT, *SMALL, "--timeout", 30, "--out-dir", out], timeout=120,
+                          cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    check_completed_run(as_result(0, r.stdout + r.stderr, out), 2, "slurm")
+
+
+@slurm
+def test_sbatch_script_running_python_directly_is_one_process_on_a_real_cluster(slurm_cluster, tmp_path):
+    # The batch script sees the job's SLURM_NTASKS=2 and SLURM_PROCID=0, but it is one process, not a task.
+    out = tmp_path / "out"
+    script = f"python {SCRIPT} {shlex.join(SMALL)} --timeout 30 --out-dir {out}\n"
+    job = submit(slurm_cluster, tmp_path, script, "--ntasks=2")
+    check_completed_run(finished(slurm_cluster, job, out), 1, "python")
+
+
+@slurm
+def test_a_step_on_part_of_the_allocation_runs_on_the_steps_own_nodes(slurm_cluster2, tmp_path):
+    # The step's node list and node count (node1, 1), not the job's (node[0-1], 2).
+    out = tmp_path / "out"
+    script = f"srun -N1 -n1 -w node1 ./run_multi_node.sh --slurm -- {shlex.join(SMALL)} --out-dir {out}\n"
+    r = finished(slurm_cluster2, submit(slurm_cluster2, tmp_path, script, "--nodes=2", "--ntasks-per-node=1"), out)
+    assert "--nnodes=1 " in r.stdout and "--rdzv-endpoint=node1:" in r.stdout, r.stdout
+    check_completed_run(r, 2, "torchrun")
+
+
+@slurm
+def test_two_slurm_jobs_on_one_node_rendezvous_on_ports_of_their_own(slurm_cluster, tmp_path):
+    # Each batch script waits for the other's, so that both runs are up at the same time on the one node.
+    barrier = (f"touch {tmp_path}/ready.$SLURM_JOB_ID\n"
+               f"for i in $(seq 300); do [ $(ls {tmp_path}/ready.* | wc -l) -ge 2 ] && break; sleep 0.1; done\n")
+    script = barrier + f"srun ./run_multi_node.sh --slurm -- {shlex.join(SMALL)} --out-dir {tmp_path}/$SLURM_JOB_ID\n"
+    jobs = [submit(slurm_cluster, tmp_path, script, env={**JOB_ENV, "NPROC_PER_NODE": "1"}) for _ in range(2)]
+    results = [finished(slurm_cluster, job, tmp_path / job) for job in jobs]
+    ports = {re.search(r"--rdzv-endpoint=\S+:(\d+) ", r.stdout).group(1) for r in results}
+    assert len(ports) == 2, ports
+    for r in results:
+        check_completed_run(r, 1, "torchrun")
+
+
+def linger_in_time_wait(port):
+    """Leave 127.0.0.1:port in TIME_WAIT (for a minute), as a run leaves its rendezvous port on node 0
+    when node 0 closes the connections first."""
+    with socket.create_server(("127.0.0.1", port)) as server, socket.create_connection(("127.0.0.1", port)) as client:
+        conn, _ = server.accept()
+        conn.close()  # the listening side's FIN first: its end goes to TIME_WAIT once the client closes
+        assert client.recv(1) == b""
+
+
+@slurm
+def test_a_rerun_at_once_on_the_same_port_is_not_refused_for_its_connections_in_time_wait(slurm_cluster, tmp_path):
+    # A stopped or requeued run that comes back at once on the same node with the same port (the same
+    # --master-port, or the same job and step ids) finds the port's last connections in TIME_WAIT.
+    port, out = free_port(), tmp_path / "out"
+    linger_in_time_wait(port)
+    assert slurm_cluster.run(["ss", "-Htan", "state", "time-wait", f"( sport = :{port} )"]).stdout.strip()
+    script = f"srun ./run_multi_node.sh --slurm --master-port {port} -- {shlex.join(SMALL)} --out-dir {out}\n"
+    r = finished(slurm_cluster, submit(slurm_cluster, tmp_path, script), out)
+    assert f"--rdzv-endpoint={slurm_cluster.nodes[0]}:{port} " in r.stdout, r.stdout
+    check_completed_run(r, 2, "torchrun")
+
+
+# ---------------------------------------------------------------------------
+# run_multi_node.sh's batch script: two nodes, preemption and requeue
+# ---------------------------------------------------------------------------
+
+
+@slurm
+@pytest.mark.parametrize("slurm_cluster2", ["pgid"], indirect=True)
+def test_signal_before_the_time_limit_reaches_every_worker_through_torchrun_and_the_requeued_job_resumes_bit_identical(
+        slurm_cluster2, tmp_path, tmp_path_factory):
+    # The header's script as it stands: --signal=USR1@120, --requeue, its requeue line. The job gets 10
+    # minutes; once it trains, its workers are frozen (so that it is still mid-run whenever the signal
+    # comes) and the limit drops to 2: the signal is due, and slurmctld's next time-limit pass (every
+    # 30 s) sends it. Under proctrack/pgid it goes to the task's process group only: torchrun's workers,
+    # in sessions of their own, get it from torchrun or not at all. Frozen, they keep it pending.
+    cluster = slurm_cluster2
+    job = submit(cluster, tmp_path, sbatch_recipe(tmp_path, *FT4), "--time=10")
+    out = tmp_path / job
+    workers = wait_for_training(cluster, job, out, world=4)
+    freeze(workers)
+    try:
+        cluster.update(job, TimeLimit=2)
+        uninterrupted(cluster, tmp_path_factory, wait=False)  # meanwhile, on the free CPUs
+        wait_until(lambda: all(reached(p, signal.SIGUSR1) for p in workers), "SIGUSR1 through torchrun", 45,
+                   lambda: cluster.output(job))
+        cluster.update(job, TimeLimit=10)  # the next allocation has the time to finish, as a real one would
+    finally:
+        thaw(workers)
+    # The workers save and exit 75, torchrun exits 1; model.pt is missing, so the script requeues the job,
+    # and its second run resumes. (--open-mode=append keeps both runs' output.)
+    r = finished(cluster, job, out, restarts="1")
+    assert_stopped_and_resumed(r, signal.SIGUSR1)
+    assert "srun: error: node0: task 0: Exited with exit code 1" in r.stdout, r.stdout
+    assert_same_weights(r.weights, uninterrupted(cluster, tmp_path_factory).weights, exact=True)
+
+
+@slurm
+def test_header_batch_script_on_two_nodes_matches_one_process_with_the_same_global_batch(
+        slurm_cluster2, tmp_path_factory, reference):
+    # srun starts one run_multi_node.sh --slurm per node, each a torchrun with 2 workers: world 4 x 16,
+    # the same as 1 process x 64.
+    r = uninterrupted(slurm_cluster2, tmp_path_factory)
+    assert "torchrun, world size 4 (2/node)" in r.stdout, r.stdout
+    assert [m["world_size"] for m in r.metrics] == [4] and r.metrics[-1]["effective_batch_size"] == 64
+    # Each node prints the torchrun command it runs; node 0 hosts the rendezvous at its own name.
+    commands = re.findall(r"^run_multi_node.sh: .*-m torch.distributed.run (.*)$", r.stdout, re.M)
+    assert len(commands) == 2 and all("--nnodes=2 --nproc_per_node=2" in c and "--rdzv-endpoint=node0:" in c
+                                      for c in commands), r.stdout
+    assert_same_run(r.weights, reference(python_cmd(*FT4, "--batch-size", 64)).weights)
+
+
+@slurm
+def test_scontrol_requeue_from_outside_stops_the_run_and_it_resumes_bit_identical(slurm_cluster, tmp_path, reference):
+    # A requeue (by an admin, or to preempt the job) signals every process of its steps with SIGTERM, and
+    # SIGKILL KillWait seconds later (here 2: saving takes well under a second); the batch script's last
+    # line never runs. SLURM's SIGTERM also reaches run_multi_node.sh's tee, which must outlive torchrun.
+    job = submit(slurm_cluster, tmp_path, sbatch_recipe(tmp_path, *FT), "--nodes=1")
+    out = tmp_path / job
+    wait_for_training(slurm_cluster, job, out, world=2)
+    slurm_cluster.requeue(job)
+    r = finished(slurm_cluster, job, out, restarts="1")
+    assert "DUE TO JOB REQUEUE" in r.stdout, r.stdout
+    assert_stopped_and_resumed(r, signal.SIGTERM)
+    assert_same_weights(r.weights, reference(torchrun_cmd(2, *FT)).weights, exact=True)
 
 
 # ---------------------------------------------------------------------------
