@@ -9,6 +9,7 @@ ARGS   ?=
 TORCH_PIN := torch==2.13.0
 NUMPY_PIN := numpy==2.4.6
 PYTEST_PIN := pytest==9.0.3
+XDIST_PIN := pytest-xdist==3.8.0
 # Multi-node settings, passed to run_multi_node.sh (see its header).
 NNODES ?= 2
 NODE_RANK ?= 0
@@ -23,13 +24,14 @@ gpus = $(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/
 help:  ## these targets, one line each
 	@awk -F':.*## ' '/^[a-z%-]+:.*## / {sub("%", "N", $$1); printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-setup: $(VENV)/.ready  ## create .venv: the pinned CPU torch, numpy and pytest, unless the system has them
+setup: $(VENV)/.ready  ## create .venv: the pinned CPU torch, numpy, pytest and pytest-xdist, unless present
 
-$(VENV)/.ready:
+$(VENV)/.ready: Makefile
 	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN)
 	@$(PY) -c "import numpy" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check $(NUMPY_PIN)
 	@$(PY) -c "import pytest" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check $(PYTEST_PIN)
+	@$(PY) -c "import xdist" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check $(XDIST_PIN)
 	@$(PY) -c "import torch; print('torch', torch.__version__, 'ready in $(VENV)')"
 	@touch $@
 
@@ -47,8 +49,8 @@ train-multinode: setup  ## on every node: make train-multinode NODE_RANK=1 MASTE
 	PYTHON=$(PY) NNODES=$(NNODES) NODE_RANK=$(NODE_RANK) MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT) \
 	  NPROC_PER_NODE=$(NPROC_PER_NODE) ./run_multi_node.sh $(ARGS)
 
-test: setup  ## the whole test suite: real processes, about 10 minutes on 2 cores
-	$(PY) -m pytest -q test_ddp_train.py
+test: setup  ## the whole test suite: real processes, two tests at a time (pytest-xdist)
+	$(PY) -m pytest -q -n 2 --dist loadgroup test_ddp_train.py
 
 test-fast: setup  ## the fast tier: under a minute
 	$(PY) -m pytest -q -m fast test_ddp_train.py

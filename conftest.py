@@ -654,6 +654,8 @@ _clusters_made = itertools.count()
 
 SLURM_CONF_TEMPLATE = """\
 ClusterName=fixture
+# Job ids of this cluster's own, so that concurrent clusters' --slurm jobs do not share ports.
+FirstJobId={first_job_id}
 SlurmctldHost={nodes[0]}({addrs[0]})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
@@ -868,7 +870,7 @@ class SlurmCluster:
         (self.root / "plugstack.conf").write_text("")
         self.conf.write_text(SLURM_CONF_TEMPLATE.format(
             root=self.root, nodes=self.nodes, addrs=self.addrs, ctld_port=_free_port(), slurmd_port=_free_port(),
-            proctrack=self.proctrack, node_lines="\n".join(f"NodeName={n} NodeAddr={a} CPUs={self.cpus}"
+            proctrack=self.proctrack, first_job_id=random.randrange(1, 10**6), node_lines="\n".join(f"NodeName={n} NodeAddr={a} CPUs={self.cpus}"
                                                            for n, a in zip(self.nodes, self.addrs))))
         if self.namespaces:
             self._make_namespaces()

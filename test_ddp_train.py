@@ -29,7 +29,16 @@ from conftest import (CORES, FINAL_STATES, HAS_CUDA, PY, ROOT, RUN_MULTI, SCRIPT
 # processes, and not by the global batch (a short last step).
 SMALL = ["--num-samples", "1000", "--eval-samples", "301", "--epochs", "2", "--batch-size", "32"]
 gpu = pytest.mark.gpu
-multinode = pytest.mark.multinode
+
+
+def multinode(test):
+    """Two hosts in network namespaces; with pytest-xdist, all on one worker (one pair of namespaces)."""
+    return pytest.mark.multinode(pytest.mark.xdist_group("multinode")(test))
+
+
+def slurm(test):
+    """A real SLURM cluster; with pytest-xdist, all on one worker (one cluster, job ids its own)."""
+    return pytest.mark.slurm(pytest.mark.xdist_group("slurm")(test))
 
 
 # ---------------------------------------------------------------------------
@@ -759,8 +768,6 @@ def test_restarted_node_rejoins_and_run_ends_bit_identical(two_hosts, tmp_path):
 # ---------------------------------------------------------------------------
 # SLURM: launch modes, preemption and requeue on a real cluster (conftest.py's slurm_cluster fixtures)
 # ---------------------------------------------------------------------------
-
-slurm = pytest.mark.slurm
 
 # 2 nodes x 2 processes x 16: 64 steps, a checkpoint every 8.
 FT4 = ["--num-samples", "4096", "--eval-samples", "64", "--epochs", "1", "--batch-size", "16", "--save-every", "8"]
