@@ -50,7 +50,7 @@ train-multinode: setup  ## on every node: make train-multinode NODE_RANK=1 MASTE
 	  NPROC_PER_NODE=$(NPROC_PER_NODE) ./run_multi_node.sh $(ARGS)
 
 test: setup  ## the whole test suite: real processes, two tests at a time (pytest-xdist)
-	$(PY) -m pytest -q -n 2 --dist loadgroup test_ddp_train.py
+	$(PY) -m pytest -q -n 2 test_ddp_train.py
 
 test-fast: setup  ## the fast tier: under a minute
 	$(PY) -m pytest -q -m fast test_ddp_train.py

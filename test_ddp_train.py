@@ -29,16 +29,8 @@ from conftest import (CORES, FINAL_STATES, HAS_CUDA, PY, ROOT, RUN_MULTI, SCRIPT
 # processes, and not by the global batch (a short last step).
 SMALL = ["--num-samples", "1000", "--eval-samples", "301", "--epochs", "2", "--batch-size", "32"]
 gpu = pytest.mark.gpu
-
-
-def multinode(test):
-    """Two hosts in network namespaces; with pytest-xdist, all on one worker (one pair of namespaces)."""
-    return pytest.mark.multinode(pytest.mark.xdist_group("multinode")(test))
-
-
-def slurm(test):
-    """A real SLURM cluster; with pytest-xdist, all on one worker (one cluster, job ids its own)."""
-    return pytest.mark.slurm(pytest.mark.xdist_group("slurm")(test))
+multinode = pytest.mark.multinode
+slurm = pytest.mark.slurm  # each pytest-xdist worker starts clusters of its own, their job ids apart
 
 
 # ---------------------------------------------------------------------------
