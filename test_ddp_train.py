@@ -661,7 +661,7 @@ def test_two_hosts_slurm_mode_takes_master_from_nodelist(two_hosts, tmp_path):
     out = tmp_path / "out"
     nodes = []
     for i, h in enumerate(two_hosts):
-        # MASTER_PORT stays at its default (29500): each namespace has ports of its own.
+        # No MASTER_PORT: --slurm derives it from the job id, the same on both hosts.
         env = clean_env(PYTHON=PY, SLURM_JOB_ID=4242, SLURM_NODEID=i, SLURM_JOB_NUM_NODES=2, SLURM_PROCID=i,
                         SLURM_JOB_NODELIST="node[0-1]", NPROC_PER_NODE=2, IFNAME=h.ifname, TIMEOUT=30)
         nodes.append(Launch(h.command(RUN_MULTI, "--slurm", "--", *SMALL, "--out-dir", out), tmp_path, f"slurm{i}", env=env))
