@@ -729,9 +729,6 @@ def send(pids, sig=signal.SIGKILL):
             pass
 
 
-_kill = send
-
-
 def _stat(pid):
     """(state, ppid) of a process, or None once it is gone."""
     try:
@@ -934,7 +931,7 @@ class SlurmCluster:
             time.sleep(0.1)
         strays = self.processes()
         found = [_describe(p) for p in sorted(strays)]
-        _kill(strays)
+        send(strays)
         # A node drained by a step that could not be killed would fail every later test.
         for line in self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=10).stdout.splitlines():
             name, state = line.split()
@@ -974,7 +971,7 @@ def _reap(root, namespaces=None, remove=True):
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
         namespaces = [ns for ns in listed if re.fullmatch(f"slurmfx{root.name}n\\d+", ns)]
     for _ in range(3):  # again for what the killed ones' children became
-        _kill(_pids_of(root, namespaces))
+        send(_pids_of(root, namespaces))
         time.sleep(0.05)
     for ns in namespaces:  # takes its end of the veth pair along
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
