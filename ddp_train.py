@@ -13,9 +13,8 @@ One file, torch only. Launch it unchanged in any of these ways:
 Your task is three functions at the top: build_datasets(), build_model() and compute_loss().
 Edit them here, or import this file from your own script and assign yours (see the README).
 
-Read it top to bottom. The lesson comes first: your task, the arguments, joining the process
-group, the training loop, evaluation, saving, teardown. Each line DDP adds to a plain loop says
-"DDP:", each classic trap "Trap:". After the divider: the machinery, one section per feature.
+Read it top to bottom: first the lesson, where each line DDP adds to a plain loop says "DDP:" and
+each classic trap "Trap:"; then, after a divider, the machinery, one section per feature.
 """
 
 from __future__ import annotations
@@ -142,6 +141,7 @@ class DistContext:
     backend: str = "none"
     control_group: object = None  # gloo, for small control messages that must not touch a GPU
     patient_group: object = None  # gloo, for waiting on rank 0's own work (a checkpoint write)
+    timeout: datetime.timedelta = datetime.timedelta(minutes=30)  # --timeout: how long a collective waits
 
     @property
     def is_main(self) -> bool:
@@ -173,7 +173,7 @@ def init_distributed(args) -> DistContext:
     except Exception as exc:  # name what was tried; the launcher has said the rest
         fail(f"rank {rank} could not join the {world}-process group at {rendezvous_address(args)} within "
              f"{args.timeout:g}s: {first_line(exc)}", code=1)
-    ctx.distributed, ctx.backend = True, backend
+    ctx.distributed, ctx.backend, ctx.timeout = True, backend, timeout
     ctx.control_group = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     ctx.patient_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
     return ctx
@@ -673,9 +673,12 @@ def agree_on_resume_point(progress: Progress, ctx: DistContext) -> None:
 
 
 def wait_for_rank0(ctx: DistContext) -> None:
-    """All ranks wait here until rank 0 is done with its own work, for up to PATIENT_TIMEOUT."""
+    """All ranks wait here until rank 0 is done with its own work: the others for up to
+    PATIENT_TIMEOUT, rank 0 (which arrives last) for --timeout only, so that a peer lost meanwhile
+    is reported within --timeout, not after an hour. (monitored_barrier enforces its timeout on
+    rank 0 alone; the others wait as long as the group's.)"""
     if ctx.distributed:
-        dist.barrier(group=ctx.patient_group)
+        dist.monitored_barrier(group=ctx.patient_group, timeout=ctx.timeout)
 
 
 def start_metrics_file(out_dir: str, progress: Progress, ctx: DistContext) -> None:
@@ -848,32 +851,69 @@ class _Plan:
 
 class SeededSamples(Dataset):
     """The user's Dataset, seeded per sample: before sample i of epoch e loads (its key is (e, i)),
-    torch, Python's random and numpy are seeded from (seed, e, i)."""
+    each global generator it draws from (torch, Python's random, numpy) is seeded from (seed, e, i).
+    A seed costs 1-5 us, so generators the Dataset never draws from are left alone. Which ones it
+    draws from is found batch by batch: the others are set to a known state before a batch, and a
+    batch that moved one is loaded again with that one seeded too. Either way every sample sees
+    the same randomness."""
 
     def __init__(self, dataset: Dataset, seed: int):
         self.dataset, self.seed, self.epoch_seeds = dataset, seed, {}
+        self.drawn_from = []  # the STREAMS this process has seen the Dataset draw from
 
-    def __len__(self):
-        return len(self.dataset)
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list:
+        """One batch's items (the DataLoader calls this, in a worker or here)."""
+        while True:
+            idle = [stream for stream in STREAMS if stream not in self.drawn_from]
+            for stream in idle:
+                stream.arm()
+            items = [self[key] for key in keys]
+            moved = [stream for stream in idle if stream.moved()]
+            if not moved:
+                return items
+            self.drawn_from += moved  # and load the batch again: its samples drew unseeded numbers
 
     def __getitem__(self, key: tuple[int, int]):
         epoch, index = key
         if epoch not in self.epoch_seeds:
             self.epoch_seeds[epoch] = mix_seed(self.seed, epoch)
         s = _splitmix64(self.epoch_seeds[epoch] ^ index)
-        torch.default_generator.manual_seed(s)  # not torch.manual_seed: 100x slower, it visits every device
-        random.seed(s)
-        if numpy is not None:
-            numpy.random.seed(s >> 32)
+        for stream in self.drawn_from:
+            stream.seed(s)
         return self.dataset[index]
 
 
-def load_here(samples: Dataset, keys: list) -> object:
+class Stream:
+    """A global random generator a Dataset may draw from: how to seed it, and how to tell whether
+    a batch drew from it (arm() sets a known state; moved() then sees a draw other than the known
+    first one)."""
+
+    def __init__(self, seed, draw):
+        self.seed, self.draw, self.first = seed, draw, None
+
+    def arm(self) -> None:
+        if self.first is None:
+            self.seed(0x5EED)
+            self.first = self.draw()
+        self.seed(0x5EED)
+
+    def moved(self) -> bool:
+        return self.draw() != self.first
+
+
+STREAMS = [Stream(torch.default_generator.manual_seed,  # not torch.manual_seed: 100x slower, it visits every device
+                  lambda: torch.rand((), dtype=torch.float64).item()),
+           Stream(random.seed, random.random)]
+if numpy is not None:
+    STREAMS.append(Stream(lambda s: numpy.random.seed(s >> 32), numpy.random.random))
+
+
+def load_here(samples: SeededSamples, keys: list) -> object:
     """One batch loaded in the training process (no workers). The training process's own torch
     stream (dropout) must not see the per-sample seeding, so it is put back afterwards."""
     state = torch.default_generator.get_state()
     try:
-        return collate([samples[key] for key in keys])
+        return collate(samples.__getitems__(keys))
     finally:
         torch.default_generator.set_state(state)
 
