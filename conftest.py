@@ -42,12 +42,18 @@ CORES = len(os.sched_getaffinity(0))
 
 
 def clean_env(**extra) -> dict:
-    """The test's environment without any launcher's variables, plus `extra`."""
+    """The test's environment without any launcher's variables, plus `extra` (None: unset it).
+    One thread per process unless a test says otherwise: the suite runs two tests at a time, and
+    OpenMP threads that spin-wait for a core another test holds make a run 10x slower."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in
-           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update({k: str(v) for k, v in extra.items()})
+           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    for k, v in extra.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = str(v)
     return env
 
 
@@ -779,7 +785,7 @@ class SlurmCluster:
         path = os.pathsep.join([os.path.dirname(sys.executable), "/usr/local/sbin", "/usr/local/bin",
                                 "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
         self.env = {"PATH": path, "SLURM_CONF": str(self.conf), "HOME": os.environ.get("HOME", "/root"),
-                    "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1"}
+                    "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # as clean_env()
         self.namespaces = []
         if nodes == 1:  # named after this host, so that the names jobs get (SLURM_JOB_NODELIST...) resolve
             self.nodes, self.addrs = [socket.gethostname().split(".")[0]], ["127.0.0.1"]

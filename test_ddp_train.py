@@ -49,7 +49,7 @@ def check_completed_run(r: Result, world_size: int, launcher: str):
 
 @pytest.mark.fast
 def test_plain_python_runs_one_process_without_process_group(tmp_path):
-    r = run(python_cmd(*SMALL), tmp_path)
+    r = run(python_cmd(*SMALL), tmp_path, env=clean_env(OMP_NUM_THREADS=None))
     check_completed_run(r, 1, "python")
     assert f"no process group, cpu, {CORES} thread(s)/process" in r.stdout  # all cores for one process
 
@@ -60,14 +60,15 @@ def test_torchrun_single_node(tmp_path, nproc):
 
 
 def test_spawn_starts_local_processes_itself(tmp_path):
-    r = run(python_cmd(*SMALL, "--spawn", 2), tmp_path)
+    r = run(python_cmd(*SMALL, "--spawn", 2), tmp_path, env=clean_env(OMP_NUM_THREADS=None))
     check_completed_run(r, 2, "spawn")
     assert f"{max(1, CORES // 2)} thread(s)/process" in r.stdout  # the cores shared between the processes
 
 
 def test_user_thread_setting_is_respected(tmp_path):
-    r = run(python_cmd(*SMALL), tmp_path, env=clean_env(OMP_NUM_THREADS=1))
-    assert "1 thread(s)/process" in r.stdout
+    # Two processes would share the cores (1 thread each on 2 cores); the user's setting wins.
+    r = run(python_cmd(*SMALL, "--spawn", 2), tmp_path, env=clean_env(OMP_NUM_THREADS=CORES))
+    assert f"{CORES} thread(s)/process" in r.stdout
 
 
 def test_legacy_distributed_launch_passes_local_rank_argument(tmp_path):
