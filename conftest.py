@@ -6,6 +6,9 @@ SLURM cluster (slurmctld and slurmd) on this machine."""
 from __future__ import annotations
 
 import ast
+import contextlib
+import fcntl
+import hashlib
 import itertools
 import json
 import os
@@ -21,6 +24,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -183,16 +187,33 @@ def assert_same_run(a: dict, b: dict):
         assert (a[k] - b[k]).norm() <= 1e-3 * b[k].norm(), f"{k} differs by {(a[k] - b[k]).norm() / b[k].norm():.2g} (relative norm)"
 
 
+@contextlib.contextmanager
+def shared(tmp_path_factory, name: str):
+    """A directory of this session that pytest-xdist's workers share, held under a lock: the first
+    worker to get it makes what is in it, the others find it made."""
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent  # the session's directory, which holds every worker's own
+    d = root / "shared" / name
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield d
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """reference(cmd): the Result of a run that several tests compare against, made once per session."""
-    made = {}
+    """reference(cmd): the Result of a run that several tests compare against, made once per session
+    (by whichever xdist worker asks first)."""
 
     def get(cmd):
-        key = tuple(map(str, cmd))
-        if key not in made:
-            made[key] = run(cmd, tmp_path_factory.mktemp("reference"))
-        return made[key]
+        key = hashlib.sha256("\0".join(map(str, cmd)).encode()).hexdigest()[:12]
+        with shared(tmp_path_factory, f"reference-{key}") as d:
+            if not (d / "done").exists():
+                run(cmd, d)
+                (d / "done").touch()
+        return Result(SimpleNamespace(proc=SimpleNamespace(returncode=0), stdout=(d / "out.out").read_text(),
+                                      stderr=(d / "out.err").read_text()), d / "out")
 
     return get
 
@@ -333,6 +354,40 @@ def build_model(args):
 
 
 ddp_train.build_model = build_model
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # A Dataset that draws from numpy only now and then (about one sample in 150) and never from
+    # Python's random: each loading process finds out mid-epoch, at a batch of its own.
+    "now_and_then.py": """
+import sys
+import numpy as np
+import torch
+import ddp_train
+import digits
+
+
+class NowAndThen(torch.utils.data.Dataset):
+    def __init__(self, plain):
+        self.plain = plain
+
+    def __len__(self):
+        return len(self.plain)
+
+    def __getitem__(self, i):
+        image, label = self.plain[i]
+        if torch.rand(()) < 1 / 150:
+            image = image * float(np.random.uniform(0.5, 1.5))
+        return image, label
+
+
+def build_datasets(args):
+    train_set, eval_set = digits.build_datasets(args)
+    train_set.augment = False
+    return NowAndThen(train_set), eval_set
+
+
+ddp_train.build_datasets = build_datasets
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
@@ -628,11 +683,12 @@ def edited_copy(directory: Path) -> Path:
 @pytest.fixture(scope="session")
 def project(tmp_path_factory) -> Path:
     """A user's project directory: a copy of ddp_train.py, examples/digits.py and the VARIANTS."""
-    d = tmp_path_factory.mktemp("project")
-    shutil.copy(SCRIPT, d)
-    shutil.copy(ROOT / "examples" / "digits.py", d)
-    for name, text in VARIANTS.items():
-        (d / name).write_text(text.lstrip())
+    with shared(tmp_path_factory, "project") as d:
+        if not (d / "digits.py").exists():  # written once: another worker may be running it
+            shutil.copy(SCRIPT, d)
+            for name, text in VARIANTS.items():
+                (d / name).write_text(text.lstrip())
+            shutil.copy(ROOT / "examples" / "digits.py", d)  # last: it marks the copy complete
     return d
 
 

@@ -280,6 +280,15 @@ def test_user_dataset_two_ranks_match_one_process_with_augmentation_and_odd_size
         assert a["eval_accuracy"] == b["eval_accuracy"]
 
 
+def test_a_generator_the_dataset_draws_from_only_now_and_then_is_seeded_too(project, tmp_path):
+    # Which generators a Dataset draws from is found batch by batch, in each loading process on its
+    # own: here numpy turns up mid-epoch, in each worker at another batch. The weights do not care.
+    script = str(project / "now_and_then.py")
+    loaded = [run(python_cmd("--epochs", "1", "--workers", w, script=script), tmp_path, out=f"workers{w}")
+              for w in (0, 2)]
+    assert_same_weights(loaded[0].weights, loaded[1].weights, exact=True)
+
+
 def test_each_rank_draws_its_own_model_randomness(project, tmp_path):
     # The same initial weights on every rank, but not the same dropout masks.
     record = tmp_path / "draw"
