@@ -867,20 +867,25 @@ class SeededSamples(Dataset):
             idle = [stream for stream in STREAMS if stream not in self.drawn_from]
             for stream in idle:
                 stream.arm()
-            items = [self[key] for key in keys]
+            items = self.load(keys)
             moved = [stream for stream in idle if stream.moved()]
             if not moved:
                 return items
             self.drawn_from += moved  # and load the batch again: its samples drew unseeded numbers
 
     def __getitem__(self, key: tuple[int, int]):
-        epoch, index = key
-        if epoch not in self.epoch_seeds:
-            self.epoch_seeds[epoch] = mix_seed(self.seed, epoch)
-        s = _splitmix64(self.epoch_seeds[epoch] ^ index)
-        for stream in self.drawn_from:
-            stream.seed(s)
-        return self.dataset[index]
+        return self.load([key])[0]
+
+    def load(self, keys: list[tuple[int, int]]) -> list:
+        dataset, seeders, items = self.dataset, [stream.seed for stream in self.drawn_from], []
+        for epoch, index in keys:  # the hot loop: a few us per sample, on top of the Dataset's own
+            if epoch not in self.epoch_seeds:
+                self.epoch_seeds[epoch] = mix_seed(self.seed, epoch)
+            s = _splitmix64(self.epoch_seeds[epoch] ^ index)
+            for seed in seeders:
+                seed(s)
+            items.append(dataset[index])
+        return items
 
 
 class Stream:
