@@ -45,6 +45,12 @@ CORES = len(os.sched_getaffinity(0))
 # ---------------------------------------------------------------------------
 
 
+def pytest_collection_modifyitems(items):
+    """The two-host and SLURM tests first: they are the longest and wait the most, so that under
+    pytest-xdist they overlap with the rest instead of leaving one worker running them at the end."""
+    items.sort(key=lambda item: not (item.get_closest_marker("multinode") or item.get_closest_marker("slurm")))
+
+
 def clean_env(**extra) -> dict:
     """The test's environment without any launcher's variables, plus `extra` (None: unset it).
     One thread per process unless a test says otherwise: the suite runs two tests at a time, and

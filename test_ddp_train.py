@@ -138,9 +138,9 @@ def test_importing_starts_nothing():
 def test_repeated_torchrun_runs_never_abort_at_exit(tmp_path):
     # The classic gloo abort ("terminate called without an active exception") hit about one run in
     # three when the process group died before the DDP model. run() checks every run of the suite for
-    # it; here four clean exits in a row of the smallest torchrun run.
+    # it; here two clean exits in a row of the smallest torchrun run.
     tiny = ["--num-samples", "256", "--eval-samples", "64", "--epochs", "1", "--batch-size", "32"]
-    for i in range(4):
+    for i in range(2):
         r = run(torchrun_cmd(2, *tiny), tmp_path, out=f"out{i}")
         assert "terminate called" not in r.stderr, r
 
@@ -570,19 +570,20 @@ def test_single_process_stop_signal_exits_75_and_rerun_is_bit_identical(tmp_path
     assert_same_weights(again.weights, reference(FT_PYTHON).weights, exact=True)
 
 
-def test_four_ranks_stop_and_resume_bit_identical(tmp_path):
+# Four ranks x 16: 64 steps, a checkpoint every 10. The same run whichever way its 4 processes start.
+FOUR = ["--num-samples", "4096", "--eval-samples", "64", "--epochs", "1", "--batch-size", "16", "--save-every", "10"]
+
+
+def test_four_ranks_stop_and_resume_bit_identical(tmp_path, reference):
     # Beyond two ranks the all-reduce's rounding depends on DDP's bucket state: still bit-identical.
-    four = ["--num-samples", "4096", "--eval-samples", "64", "--epochs", "1", "--batch-size", "16",
-            "--save-every", "10", "--spawn", "4"]
-    reference = run(python_cmd(*four), tmp_path, out="reference")
     out = tmp_path / "out"
-    with Launch(python_cmd(*four, "--out-dir", out), tmp_path, "stopped") as launch:
+    with Launch(python_cmd(*FOUR, "--spawn", 4, "--out-dir", out), tmp_path, "stopped") as launch:
         wait_for_checkpoint(launch, out)
         launch.proc.send_signal(signal.SIGTERM)
         assert launch.wait() == 75, launch.stderr
-    again = run(python_cmd(*four), tmp_path)
+    again = run(python_cmd(*FOUR, "--spawn", 4), tmp_path)
     assert resumed_at(again.stdout)[0] > 0
-    assert_same_weights(again.weights, reference.weights, exact=True)
+    assert_same_weights(again.weights, reference(torchrun_cmd(4, *FOUR)).weights, exact=True)
 
 
 def test_truncated_checkpoint_falls_back_to_previous_one(tmp_path, reference):
@@ -745,10 +746,8 @@ def test_surviving_node_exits_with_a_message_when_the_other_dies(two_hosts, tmp_
 
 
 @multinode
-def test_restarted_node_rejoins_and_run_ends_bit_identical(two_hosts, tmp_path):
-    args = ["--num-samples", "8192", "--eval-samples", "64", "--epochs", "2", "--batch-size", "16", "--save-every", "20"]
-    reference = start_nodes(two_hosts, tmp_path, [*args, "--out-dir", tmp_path / "reference"], free_port(), name="ref")
-    assert finish(reference) == [0, 0], reference[0].stderr
+def test_restarted_node_rejoins_and_run_ends_bit_identical(two_hosts, tmp_path, reference):
+    args = FOUR
     out, port = tmp_path / "out", free_port()
     nodes = start_nodes(two_hosts, tmp_path, [*args, "--out-dir", out], port, MAX_RESTARTS=1)
     try:
@@ -763,8 +762,9 @@ def test_restarted_node_rejoins_and_run_ends_bit_identical(two_hosts, tmp_path):
             n.kill()
     assert codes == [0, 0], nodes[0].stderr + again.stderr
     assert "resumed from" in nodes[0].stdout
+    # Two nodes x 2 processes run exactly what 4 processes on one node run.
     assert_same_weights(torch.load(out / "model.pt", weights_only=True),
-                        torch.load(tmp_path / "reference" / "model.pt", weights_only=True), exact=True)
+                        reference(torchrun_cmd(4, *FOUR)).weights, exact=True)
 
 
 # ---------------------------------------------------------------------------
