@@ -11,15 +11,17 @@ One invocation runs, interleaved in rounds so that drift of the machine cancels 
      __getitem__, a CNN with BatchNorm and Dropout), one process, --workers N
   6. the plain loop a user writes for that Dataset and model: a shuffling DataLoader with the same
      batch size and N workers, AdamW, cross entropy; no per-sample seeding
+  7, 8. 5 and 6 again, with the Dataset augmenting through torch alone (DIGITS_AUGMENT=torch), as
+     torchvision's transforms do: ddp_train.py then seeds one generator per sample instead of three
 
 and reports steady-state training samples/s (the epochs after the first, training only), the time from
 launch to the first finished optimizer step, and peak memory per process, as the median and min-max over
 rounds; then the ratios, each taken within a round.
 
-    python bench_ddp_train.py             # 10 rounds on the default workload, about 6-7 minutes on 2 cores
+    python bench_ddp_train.py             # 10 rounds on the default workload, about 8 minutes on 2 cores
     python bench_ddp_train.py --quick     # 1 short round: checks that everything runs
-    python bench_ddp_train.py --device cuda   # on a GPU: 1, 3, 5 and 6 on the GPU, 2 and 4 need 2 GPUs
-    python bench_ddp_train.py --workers 2     # 5 and 6 with 2 DataLoader workers each (default: 0)
+    python bench_ddp_train.py --device cuda   # on a GPU: 1, 3, 5-8 on the GPU, 2 and 4 need 2 GPUs
+    python bench_ddp_train.py --workers 2     # 5-8 with 2 DataLoader workers each (default: 0)
 
 The baselines (3, 4, 6) are functions in this file; the bench runs itself with --baseline to start them.
 """
@@ -38,7 +40,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TARGETS = {("ddp_1", "hand_1"): 0.95, ("ddp_2", "tutorial_2"): 1.15,  # from the project's performance issue
-           ("digits_1", "digits_hand_1"): 0.95}
+           ("digits_1", "digits_hand_1"): 0.95, ("digits_torch_1", "digits_torch_hand_1"): 0.95}
 
 
 # ---------------------------------------------------------------------------
@@ -176,8 +178,11 @@ CONFIGS = [  # (key, label, processes, program)
     ("tutorial_2", "tutorial DDP, torchrun 2x1", 2, "tutorial"),
     ("digits_1", "ddp_train.py (your Dataset)", 1, "digits"),
     ("digits_hand_1", "hand-written DataLoader loop", 1, "digits_hand"),
+    ("digits_torch_1", "ddp_train.py (torch-only aug.)", 1, "digits"),
+    ("digits_torch_hand_1", "hand-written, torch-only aug.", 1, "digits_hand"),
 ]
-RATIOS = [("ddp_1", "hand_1"), ("ddp_2", "tutorial_2"), ("ddp_2", "ddp_1"), ("digits_1", "digits_hand_1")]
+RATIOS = [("ddp_1", "hand_1"), ("ddp_2", "tutorial_2"), ("ddp_2", "ddp_1"), ("digits_1", "digits_hand_1"),
+          ("digits_torch_1", "digits_torch_hand_1")]
 BASELINES = {"hand": hand_written_loop, "tutorial": tutorial_ddp, "digits_hand": user_dataset_loop}
 
 
@@ -204,6 +209,9 @@ def run_once(opts, key, nproc, program, workdir: Path) -> dict:
     # examples/digits.py imports ddp_train, as a user's script beside it would
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     env.pop("OMP_NUM_THREADS", None)  # each configuration sets its threads as it would for a user
+    env.pop("DIGITS_AUGMENT", None)
+    if "_torch" in key:  # examples/digits.py augments with torch alone
+        env["DIGITS_AUGMENT"] = "torch"
     if opts.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     launched = time.time()
@@ -231,7 +239,7 @@ def main(argv=None):
     p.add_argument("--num-samples", type=int, default=32768)
     p.add_argument("--batch-size", type=int, default=64, help="per process")
     p.add_argument("--workers", type=int, default=0,
-                   help="DataLoader workers of the user-Dataset pair (5, 6): ddp_train.py --workers, num_workers")
+                   help="DataLoader workers of the user-Dataset pairs (5-8): ddp_train.py --workers, num_workers")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--timeout", type=float, default=600, help="seconds for any one run")
     p.add_argument("--baseline", choices=tuple(BASELINES), help=argparse.SUPPRESS)
@@ -270,13 +278,13 @@ def main(argv=None):
         print(f"{label:<30} {spread([r['samples_per_sec'] for r in runs], lambda v: f'{v:,.0f}'):>30} "
               f"{spread([r['first_step_s'] for r in runs], lambda v: f'{v:.2f} s'):>22} "
               f"{spread([r['peak_rss_mb'] for r in runs], lambda v: f'{v:.0f} MB'):>17}")
-    print(f"\n{'ratio (per round)':<60} {'median (min-max)':>20} {'target':>8}")
+    print(f"\n{'ratio (per round)':<62} {'median (min-max)':>20} {'target':>8}")
     labels = {key: label for key, label, *_ in configs}
     for a, b in RATIOS:
         if a in results and b in results:
             ratios = [x["samples_per_sec"] / y["samples_per_sec"] for x, y in zip(results[a], results[b])]
             target = f">= {TARGETS[a, b]:.2f}" if (a, b) in TARGETS else ""
-            print(f"{labels[a] + ' / ' + labels[b]:<60} {spread(ratios, lambda v: f'{v:.2f}x'):>20} {target:>8}")
+            print(f"{labels[a] + ' / ' + labels[b]:<62} {spread(ratios, lambda v: f'{v:.2f}x'):>20} {target:>8}")
     if opts.quick:
         print("\n--quick measures one short epoch per configuration: it checks that everything runs; its figures\n"
               "swing with the machine's noise. Without --quick the figures are medians over interleaved rounds.")

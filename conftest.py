@@ -673,7 +673,7 @@ def edited_copy(directory: Path) -> Path:
     for node in ast.parse(digits_py).body:
         name = getattr(node, "name", None) or (isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None))
         named[name or None] = ast.get_source_segment(digits_py, node)
-    ours = "\n\n\n".join(named[k] for k in ("GLYPHS", "render", "Digits", "build_datasets", "build_model"))
+    ours = "\n\n\n".join(named[k] for k in ("GLYPHS", "TORCH_ONLY", "render", "Digits", "build_datasets", "build_model"))
     ours = "NUM_DIGITS, TRAIN_SIZE = 1797, 1437\n" + ours
     lines = script.splitlines()
     spans = sorted((n.lineno, n.end_lineno) for n in ast.parse(script).body

@@ -880,8 +880,8 @@ class SeededSamples(Dataset):
         dataset, seeders, items = self.dataset, [stream.seed for stream in self.drawn_from], []
         for epoch, index in keys:  # the hot loop: a few us per sample, on top of the Dataset's own
             if epoch not in self.epoch_seeds:
-                self.epoch_seeds[epoch] = mix_seed(self.seed, epoch)
-            s = _splitmix64(self.epoch_seeds[epoch] ^ index)
+                self.epoch_seeds[epoch] = mix_seed(self.seed, epoch) >> 1  # + index stays below 2**64
+            s = self.epoch_seeds[epoch] + index  # consecutive seeds are fine: each generator mixes its own
             for seed in seeders:
                 seed(s)
             items.append(dataset[index])
@@ -910,7 +910,7 @@ STREAMS = [Stream(torch.default_generator.manual_seed,  # not torch.manual_seed:
                   lambda: torch.rand((), dtype=torch.float64).item()),
            Stream(random.seed, random.random)]
 if numpy is not None:
-    STREAMS.append(Stream(lambda s: numpy.random.seed(s >> 32), numpy.random.random))
+    STREAMS.append(Stream(lambda s: numpy.random.seed(s & 0xFFFFFFFF), numpy.random.random))  # 32 bits, per index
 
 
 def load_here(samples: SeededSamples, keys: list) -> object:

@@ -14,6 +14,7 @@ whatever the worker count, and every sample trained exactly once per epoch (1437
 an odd number, split over any world size).
 """
 
+import os
 import random
 import sys
 
@@ -33,6 +34,8 @@ GLYPHS = [
     "01110 10001 10001 01110 10001 10001 01110", "01110 10001 10001 01111 00001 00010 01100",
 ]
 NUM_DIGITS, TRAIN_SIZE = 1797, 1437  # as many as scikit-learn's digits, and its usual 80% split
+# DIGITS_AUGMENT=torch: augment with torch alone (the benchmark's second user-Dataset row).
+TORCH_ONLY = os.environ.get("DIGITS_AUGMENT") == "torch"
 
 
 def render(label: int, gen: torch.Generator) -> torch.Tensor:
@@ -56,8 +59,11 @@ class Digits(Dataset):
     def __getitem__(self, i):
         image = self.images[i]
         if self.augment:
-            image = torch.roll(image, shifts=random.choice((-1, 0, 1)), dims=1)  # Python's random
-            image = image * float(np.random.uniform(0.8, 1.2))  # numpy
+            if TORCH_ONLY:  # as torchvision's transforms draw
+                shift, scale = int(torch.randint(-1, 2, ())), float(torch.empty(()).uniform_(0.8, 1.2))
+            else:
+                shift, scale = random.choice((-1, 0, 1)), float(np.random.uniform(0.8, 1.2))  # Python's random, numpy
+            image = torch.roll(image, shifts=shift, dims=1) * scale
             image = image + 0.2 * torch.randn(8, 8)  # torch
         return image.unsqueeze(0), self.labels[i]
 
