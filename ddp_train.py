@@ -877,7 +877,7 @@ class SeededSamples(Dataset):
             self.drawn_from += moved  # and load the batch again: its samples drew unseeded numbers
 
     def __getitem__(self, key: tuple[int, int]):
-        return self.load([key])[0]
+        return self.__getitems__([key])[0]  # one sample: the same generator check as a batch
 
     def load(self, keys: list[tuple[int, int]]) -> list:
         dataset, seeders, items = self.dataset, [stream.seed for stream in self.drawn_from], []

@@ -747,14 +747,13 @@ def test_surviving_node_exits_with_a_message_when_the_other_dies(two_hosts, tmp_
 
 @multinode
 def test_restarted_node_rejoins_and_run_ends_bit_identical(two_hosts, tmp_path, reference):
-    args = FOUR
     out, port = tmp_path / "out", free_port()
-    nodes = start_nodes(two_hosts, tmp_path, [*args, "--out-dir", out], port, MAX_RESTARTS=1)
+    nodes = start_nodes(two_hosts, tmp_path, [*FOUR, "--out-dir", out], port, MAX_RESTARTS=1)
     try:
         nodes[0].wait_for(lambda: (out / "checkpoint.pt").exists(), "a first checkpoint")
         nodes[1].kill()  # node 1 dies; node 0's torchrun restarts its workers and waits for it
         two_hosts[1].kill_all()
-        again = Launch(two_hosts[1].command(RUN_MULTI, *args, "--out-dir", out), tmp_path, "node1-again",
+        again = Launch(two_hosts[1].command(RUN_MULTI, *FOUR, "--out-dir", out), tmp_path, "node1-again",
                        env=node_env(two_hosts, 1, port, MAX_RESTARTS=1))
         codes = finish([nodes[0], again])
     finally:
