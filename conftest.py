@@ -24,7 +24,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -137,8 +136,14 @@ def finish(nodes, timeout=TIMEOUT):
 
 
 class Result:
-    def __init__(self, launch: Launch, out_dir: Path):
-        self.returncode, self.stdout, self.stderr, self.out_dir = launch.proc.returncode, launch.stdout, launch.stderr, out_dir
+    """What a run left: its exit code, output and out_dir (metrics and final weights read on demand)."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str, out_dir: Path):
+        self.returncode, self.stdout, self.stderr, self.out_dir = returncode, stdout, stderr, out_dir
+
+    @classmethod
+    def of(cls, launch: Launch, out_dir: Path) -> "Result":
+        return cls(launch.proc.returncode, launch.stdout, launch.stderr, out_dir)
 
     @property
     def metrics(self) -> list[dict]:
@@ -167,7 +172,7 @@ def run(cmd, tmp_path: Path, out="out", name=None, env=None, cwd=None, timeout=T
     name = name or out
     with Launch([*cmd, "--out-dir", out_dir], tmp_path, name, env=env, cwd=cwd) as launch:
         launch.wait(timeout)
-    result = Result(launch, out_dir)
+    result = Result.of(launch, out_dir)
     if expect is not None:
         assert result.returncode == expect, result
     # The classic gloo abort at exit (the process group torn down before the DDP model) must never show.
@@ -218,8 +223,7 @@ def reference(tmp_path_factory):
             if not (d / "done").exists():
                 run(cmd, d)
                 (d / "done").touch()
-        return Result(SimpleNamespace(proc=SimpleNamespace(returncode=0), stdout=(d / "out.out").read_text(),
-                                      stderr=(d / "out.err").read_text()), d / "out")
+        return Result(0, (d / "out.out").read_text(), (d / "out.err").read_text(), d / "out")
 
     return get
 

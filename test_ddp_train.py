@@ -13,7 +13,6 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -93,7 +92,7 @@ def test_slurm_tasks_find_master_from_nodelist_and_port_from_job_id(tmp_path):
                     env=clean_env(**slurm, SLURM_PROCID=i, SLURM_LOCALID=i)) for i in range(2)]
     codes = finish(tasks)
     assert codes == [0, 0], tasks[0].stderr + tasks[1].stderr
-    check_completed_run(Result(tasks[0], out_dir), 2, "slurm")
+    check_completed_run(Result.of(tasks[0], out_dir), 2, "slurm")
     assert tasks[1].stdout == ""  # rank 1 prints nothing
 
 
@@ -124,7 +123,7 @@ def test_two_torchrun_nodes_on_localhost_only_rank0_writes(tmp_path):
         nodes.append(Launch(cmd, tmp_path, f"node{node_rank}", cwd=cwd))
     codes = finish(nodes)
     assert codes == [0, 0], nodes[0].stderr + nodes[1].stderr
-    check_completed_run(Result(nodes[0], tmp_path / "node0" / "out"), 2, "torchrun")
+    check_completed_run(Result.of(nodes[0], tmp_path / "node0" / "out"), 2, "torchrun")
     assert not (tmp_path / "node1" / "out").exists()
 
 
@@ -530,7 +529,7 @@ def test_killed_worker_is_restarted_and_ends_bit_identical(tmp_path, reference):
         wait_for_checkpoint(launch, out)
         os.kill(worker_pids(launch.proc.pid)[1], signal.SIGKILL)  # rank 1 dies mid-epoch
         code = launch.wait()
-    r = Result(launch, out)
+    r = Result.of(launch, out)
     assert code == 0, r
     step_in_epoch, _ = resumed_at(r.stdout)
     assert step_in_epoch > 0  # it really was mid-epoch
@@ -659,7 +658,7 @@ def test_two_hosts_match_single_process_with_same_global_batch(two_hosts, tmp_pa
     out = tmp_path / "out"
     nodes = start_nodes(two_hosts, tmp_path, [*SMALL, "--out-dir", out], free_port(), RDZV=rdzv, hostname=hostname)
     assert finish(nodes) == [0, 0], nodes[0].stderr + nodes[1].stderr
-    r = Result(nodes[0], out)
+    r = Result.of(nodes[0], out)
     assert "torchrun, world size 4 (2/node)" in r.stdout, r
     assert [m["world_size"] for m in r.metrics] == [4, 4] and r.metrics[-1]["effective_batch_size"] == 128
     one = run(python_cmd(*SMALL, "--batch-size", 128), tmp_path, out="one")
@@ -791,17 +790,13 @@ def submit(cluster, tmp_path, script, *options, env=JOB_ENV):
     return cluster.sbatch(script, *options, cwd=ROOT, env=env, output=tmp_path / "slurm-%j.out")
 
 
-def as_result(returncode, output, out_dir) -> Result:
-    return Result(SimpleNamespace(proc=SimpleNamespace(returncode=returncode), stdout=output, stderr=output), out_dir)
-
-
 def finished(cluster, job, out_dir, timeout=120, restarts="0") -> Result:
     """Wait for the job: it must have COMPLETED after `restarts` requeues. Its output and out_dir."""
     info = cluster.wait(job, timeout)
     out = cluster.output(job)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", restarts), (info, out)
     assert "terminate called" not in out, out
-    return as_result(0, out, Path(out_dir))
+    return Result(0, out, out, Path(out_dir))
 
 
 def workers_of(job) -> list[int]:
@@ -891,7 +886,7 @@ def test_srun_tasks_are_the_processes_of_one_run(slurm_cluster, tmp_path):
     r = slurm_cluster.run(["srun", "-n2", PY, SCRIPT, *SMALL, "--timeout", 30, "--out-dir", out], timeout=120,
                           cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    check_completed_run(as_result(0, r.stdout + r.stderr, out), 2, "slurm")
+    check_completed_run(Result(r.returncode, r.stdout, r.stderr, out), 2, "slurm")
 
 
 @slurm
