@@ -350,17 +350,19 @@ def last_line(text: str) -> str:
 # Variants of examples/digits.py that tests need, written beside it. Each plugs in as a user
 # would: import ddp_train, replace a function, call ddp_train.main().
 VARIANTS = {
-    # No BatchNorm, no Dropout: a deterministic model, for N x B == 1 x N*B.
+    # No BatchNorm, no Dropout: a deterministic model, for N x B == 1 x N*B. With stopper.py's tripwire.
     "plain.py": """
 import sys
 import torch.nn as nn
 import ddp_train
-import digits
+import stopper
 
 
 def build_model(args):
-    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1, stride=2),
-                         nn.ReLU(), nn.Flatten(), nn.Linear(32 * 4 * 4, 10))
+    model = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1, stride=2),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(32 * 4 * 4, 10))
+    model.register_forward_pre_hook(stopper.tripwire)
+    return model
 
 
 ddp_train.build_model = build_model

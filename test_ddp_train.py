@@ -265,18 +265,40 @@ def test_user_dataset_resumes_bit_identical_with_augmentation_dropout_and_worker
         assert a["train_samples"] == 1437  # each sample once per epoch, none repeated as padding
 
 
-def test_user_dataset_two_ranks_match_one_process_with_augmentation_and_odd_size(project, tmp_path):
-    # A deterministic model (no BatchNorm, no Dropout) on randomly augmented data: 1437 samples
-    # do not divide by 2 ranks, and nothing is padded or dropped.
+# A deterministic model (no BatchNorm, no Dropout) on randomly augmented data, clipped (the largest
+# gradient norm is about 0.5) and with its lr scaled to the global batch of 64: 23 steps per epoch.
+PLAIN = ["--epochs", "2", "--clip-grad-norm", "0.25", "--scale-lr", "32"]
+
+
+def test_user_dataset_two_ranks_match_one_process_with_augmentation_and_odd_size(project, tmp_path, reference):
+    # 1437 samples do not divide by 2 ranks, and nothing is padded or dropped.
     plain = str(project / "plain.py")
-    two = run(torchrun_cmd(2, "--epochs", "2", "--batch-size", "32", script=plain), tmp_path, out="two")
-    one = run(python_cmd("--epochs", "2", "--batch-size", "64", script=plain), tmp_path, out="one")
+    two = run(torchrun_cmd(2, *PLAIN, "--batch-size", "32", script=plain), tmp_path, out="two")
+    one = reference(python_cmd(*PLAIN, "--batch-size", "64", script=plain))
     assert_same_weights(two.weights, one.weights)
+    assert "lr 0.002," in two.stdout and two.metrics[0]["grad_norm"] > 0.25  # 0.001 x 64 / 32, and it clipped
     for a, b in zip(two.metrics, one.metrics):
         assert a["train_samples"] == b["train_samples"] == 1437
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
         assert a["eval_samples"] == b["eval_samples"] == 360
         assert a["eval_accuracy"] == b["eval_accuracy"]
+
+
+def test_user_dataset_resumed_on_another_world_size_matches_the_uninterrupted_run(project, tmp_path, reference):
+    # Stopped mid-epoch 2 under --spawn 2 x 32, resumed by one process x 64: the same samples with
+    # the same augmentation in every later step, each exactly once.
+    plain = str(project / "plain.py")
+    first = run(python_cmd(*PLAIN, "--batch-size", "32", "--spawn", "2", script=plain), tmp_path,
+                env=clean_env(STOP_SIGNAL="TERM", STOP_TARGET="parent", STOP_AT=30), expect=75)
+    m = re.search(r"stopped by a signal at step (\d+)", first.stdout)
+    assert m and 23 < int(m.group(1)) < 46, first
+    final = run(python_cmd(*PLAIN, "--batch-size", "64", script=plain), tmp_path)
+    step = int(m.group(1))
+    assert resumed_at(final.stdout) == (step - 23, step) and "saved by world size 2" in final.stdout, final
+    one = reference(python_cmd(*PLAIN, "--batch-size", "64", script=plain))
+    assert_same_weights(final.weights, one.weights)
+    assert [m["train_samples"] for m in final.metrics] == [1437, 1437]
+    assert final.metrics[1]["train_loss"] == pytest.approx(one.metrics[1]["train_loss"], rel=1e-5)
 
 
 def test_a_generator_the_dataset_draws_from_only_now_and_then_is_seeded_too(project, tmp_path):
