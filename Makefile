@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 ARGS   ?=
+# The training script: ddp_train.py, or your own that imports it (make train-cpu SCRIPT=examples/digits.py).
+SCRIPT ?= ddp_train.py
+# torchrun on this machine; a script of your own finds ddp_train.py here, unless its own directory has one.
+TORCHRUN = PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m torch.distributed.run --standalone
 # Pinned: a fresh machine gets the CPU wheel, never the newest CUDA build. A torch that the
 # system python already imports is reused (the venv sees system site-packages), never reinstalled.
 TORCH_PIN := torch==2.13.0
@@ -36,18 +40,18 @@ $(VENV)/.ready: Makefile
 	@touch $@
 
 train: setup  ## one process: the CPU or one GPU
-	PYTHON=$(PY) ./run_single.sh $(ARGS)
+	PYTHON=$(PY) SCRIPT=$(SCRIPT) ./run_single.sh $(ARGS)
 
 train-cpu: setup  ## two CPU processes with torchrun and gloo, even on a GPU machine
-	CUDA_VISIBLE_DEVICES= $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 ddp_train.py --backend gloo $(ARGS)
+	CUDA_VISIBLE_DEVICES= $(TORCHRUN) --nproc_per_node=2 $(SCRIPT) --backend gloo $(ARGS)
 
 train-%gpu: setup  ## torchrun with one process per GPU: make train-2gpu, make train-4gpu, make train-8gpu ...
 	@test "$(gpus)" -ge "$*" 2>/dev/null || { echo "make $@: needs $* GPUs; this machine has $(gpus)" >&2; exit 2; }
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$* ddp_train.py $(ARGS)
+	$(TORCHRUN) --nproc_per_node=$* $(SCRIPT) $(ARGS)
 
 train-multinode: setup  ## on every node: make train-multinode NODE_RANK=1 MASTER_ADDR=10.0.0.1
 	PYTHON=$(PY) NNODES=$(NNODES) NODE_RANK=$(NODE_RANK) MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT) \
-	  NPROC_PER_NODE=$(NPROC_PER_NODE) ./run_multi_node.sh $(ARGS)
+	  NPROC_PER_NODE=$(NPROC_PER_NODE) SCRIPT=$(SCRIPT) ./run_multi_node.sh $(ARGS)
 
 test: setup  ## the whole test suite: real processes, two tests at a time (pytest-xdist)
 	$(PY) -m pytest -q -n 2 test_ddp_train.py

@@ -407,6 +407,8 @@ if __name__ == "__main__":
     # to itself, its process group or its parent (STOP_TARGET); STOP_AGAIN_AFTER seconds later, again.
     # First launches only (not after a torchrun restart). RECORD_RNG=path: each rank writes its
     # model stream's first draw to path.RANK. POISON_AT=N: from the Nth training forward on, nan inputs.
+    # HOLD_AT=N: rank 0 touches HOLD_FILE at its Nth training forward and waits there (60 s at most)
+    # for a SIGTERM from outside, so that the stop surely comes mid-run; not in a requeued SLURM job.
     "stopper.py": """
 import os
 import signal
@@ -429,6 +431,8 @@ def tripwire(module, inputs):
         torch.save(torch.rand(8), f"{os.environ['RECORD_RNG']}.{rank}")
     if calls >= int(os.environ.get("POISON_AT", 1 << 30)):  # a diverging run: the inputs turn to nan
         return (inputs[0] * float("nan"),)
+    if calls == int(os.environ.get("HOLD_AT", 0)) and rank == 0 and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+        hold_for_sigterm()
     if (calls != int(os.environ.get("STOP_AT", 0)) or rank != int(os.environ.get("STOP_RANK", 0))
             or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"):
         return
@@ -441,6 +445,16 @@ def tripwire(module, inputs):
             os.killpg(os.getpgid(0), sig)
         else:
             os.kill(os.getppid() if target == "parent" else os.getpid(), sig)
+
+
+def hold_for_sigterm():
+    got, handler = [], signal.getsignal(signal.SIGTERM)  # ddp_train's: it still gets the signal
+    signal.signal(signal.SIGTERM, lambda *a: (got.append(True), handler(*a)))
+    open(os.environ["HOLD_FILE"], "w").close()
+    deadline = time.monotonic() + 60
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.05)
+    signal.signal(signal.SIGTERM, handler)
 
 
 def build_model(args):

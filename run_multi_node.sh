@@ -18,6 +18,7 @@
 # network interface    --ifname IF       IFNAME           unset; sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME
 # wait for all nodes   --timeout S       TIMEOUT          300 seconds, for the rendezvous and ddp_train.py's --timeout
 # restarts             --max-restarts K  MAX_RESTARTS     0; after a failure all workers restart and resume
+# training script      --script PATH     SCRIPT           ddp_train.py beside this file; or your own that imports it
 # Anything else, or everything after --, goes to ddp_train.py. PYTHON picks the interpreter.
 #
 # Timeouts: every node waits up to TIMEOUT (300 s) for node 0's port and for all nodes to join, and
@@ -82,6 +83,7 @@ while [[ $# -gt 0 ]]; do
     --ifname) IFNAME=$2; shift 2 ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
     --max-restarts) MAX_RESTARTS=$2; shift 2 ;;
+    --script) SCRIPT=$2; shift 2 ;;
     --slurm)
       [[ -n "${SLURM_JOB_ID:-}" && -n "${SLURM_NODEID:-}" ]] || die "--slurm: not inside a SLURM job step (run it with srun)"
       # The step's own variables win over the job's: a step may run on part of the allocation.
@@ -115,6 +117,8 @@ RDZV=${RDZV:-c10d}
 RDZV_ID=${RDZV_ID:-ddp_train}
 TIMEOUT=${TIMEOUT:-300}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
+SCRIPT=${SCRIPT:-$here/ddp_train.py}
+[[ -f "$SCRIPT" ]] || die "--script $SCRIPT: no such file"
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   NPROC_PER_NODE=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 1)')
 fi
@@ -124,7 +128,8 @@ done
 (( NODE_RANK < NNODES )) || die "NODE_RANK $NODE_RANK is not below NNODES $NNODES"
 (( NNODES == 1 )) || [[ -n "$master_addr_given" ]] || die "NNODES is $NNODES: set MASTER_ADDR to node 0's address (the same on every node)"
 # What torchrun's environment gets from here (printed with its command).
-envs=()
+# A script of your own imports ddp_train: the one beside this file, unless its own directory has one.
+envs=(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}")
 if [[ -n "${IFNAME:-}" ]]; then
   # The interface that carries traffic between nodes (see `ip -brief addr`): without it gloo and
   # NCCL may pick one that other nodes cannot reach (docker0, a VPN) and hang at init.
@@ -205,7 +210,7 @@ elif [[ "$RDZV" == static ]]; then
 else
   die "--rdzv must be c10d or static, got '$RDZV'"
 fi
-cmd=("$PYTHON" -m torch.distributed.run "${launch[@]}" "$here/ddp_train.py" --timeout "$TIMEOUT" "${train_args[@]}")
+cmd=("$PYTHON" -m torch.distributed.run "${launch[@]}" "$SCRIPT" --timeout "$TIMEOUT" "${train_args[@]}")
 echo "run_multi_node.sh: $NNODES node(s) x $NPROC_PER_NODE process(es); timeouts: ${TIMEOUT}s for all nodes to" \
      "join, then after a stop signal 30s for the workers to save (torchrun) and SIGKILL to torchrun at 45s" >&2
 line=$(printf '%q ' "${envs[@]}" "${cmd[@]}")

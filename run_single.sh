@@ -6,7 +6,8 @@
 #   CUDA_VISIBLE_DEVICES=2 ./run_single.sh            # the same, chosen by the environment
 #   CUDA_VISIBLE_DEVICES= ./run_single.sh             # force the CPU on a GPU machine
 #
-# PYTHON picks the interpreter (default: this directory's .venv, else python3).
+# PYTHON picks the interpreter (default: this directory's .venv, else python3). SCRIPT picks the training
+# script (default: ddp_train.py beside this file; or your own that imports ddp_train).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 if [[ -z "${PYTHON:-}" ]]; then
@@ -18,4 +19,6 @@ if [[ "${1:-}" == "--gpu" ]]; then
   export CUDA_VISIBLE_DEVICES=$2
   shift 2
 fi
-exec "$PYTHON" "$here/ddp_train.py" "$@"
+# A script of your own imports ddp_train: the one beside this file, unless its own directory has one.
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PYTHON" "${SCRIPT:-$here/ddp_train.py}" "$@"

@@ -64,6 +64,16 @@ def test_spawn_starts_local_processes_itself(tmp_path):
     assert f"{max(1, CORES // 2)} thread(s)/process" in r.stdout  # the cores shared between the processes
 
 
+@pytest.mark.parametrize("helper", ["run_single.sh", "run_multi_node.sh"])
+def test_the_launch_helpers_run_a_script_of_yours_that_imports_ddp_train(tmp_path, helper):
+    # examples/digits.py has no ddp_train.py beside it: the helper makes the one beside itself importable.
+    yours, multi = ROOT / "examples" / "digits.py", helper == "run_multi_node.sh"
+    cmd = [str(ROOT / helper), *(["--script", yours, "--nproc-per-node", 2] if multi else []), "--epochs", 1]
+    r = run(cmd, tmp_path, cwd=tmp_path, env=clean_env(PYTHON=PY, PYTHONPATH=None, SCRIPT=None if multi else yours))
+    assert "1,437 train / 360 eval samples" in r.stdout, r
+    assert [m["world_size"] for m in r.metrics] == [2 if multi else 1]
+
+
 def test_user_thread_setting_is_respected(tmp_path):
     # Unset, one process would take every core (test_plain_python_runs_one_process_without_process_group).
     r = run(python_cmd(*SMALL), tmp_path, env=clean_env(OMP_NUM_THREADS=1))
@@ -1017,18 +1027,22 @@ def test_header_batch_script_on_two_nodes_matches_one_process_with_the_same_glob
 
 
 @slurm
-def test_scontrol_requeue_from_outside_stops_the_run_and_it_resumes_bit_identical(slurm_cluster, tmp_path, reference):
+def test_scontrol_requeue_from_outside_stops_a_user_project_and_it_resumes_bit_identical(
+        slurm_cluster, project, tmp_path, reference):
     # A requeue (by an admin, or to preempt the job) signals every process of its steps with SIGTERM, and
     # SIGKILL KillWait seconds later (here 2: saving takes well under a second); the batch script's last
-    # line never runs. SLURM's SIGTERM also reaches run_multi_node.sh's tee, which must outlive torchrun.
-    job = submit(slurm_cluster, tmp_path, sbatch_recipe(tmp_path, *FT), "--nodes=1")
-    out = tmp_path / job
-    wait_for_training(slurm_cluster, job, out, world=2)
+    # line never runs. SLURM's SIGTERM also reaches run_multi_node.sh's tee, which must outlive torchrun,
+    # and the DataLoader workers, which must leave it to their trainer. The job runs the user's script
+    # (examples/digits.py, as stopper.py) through run_multi_node.sh --script, with 2 workers per rank.
+    hold = tmp_path / "holding"
+    recipe = sbatch_recipe(tmp_path, *DIGITS, "--workers", "2").replace("--slurm", f"--slurm --script {project}/stopper.py")
+    job = submit(slurm_cluster, tmp_path, recipe, "--nodes=1", env={**JOB_ENV, "HOLD_AT": "30", "HOLD_FILE": str(hold)})
+    wait_until(hold.exists, "run mid-epoch", 90, lambda: slurm_cluster.output(job))
     slurm_cluster.requeue(job)
-    r = finished(slurm_cluster, job, out, restarts="1")
-    assert "DUE TO JOB REQUEUE" in r.stdout, r.stdout
+    r = finished(slurm_cluster, job, tmp_path / job, restarts="1")
+    assert "DUE TO JOB REQUEUE" in r.stdout and "DataLoader worker" not in r.stdout, r.stdout
     assert_stopped_and_resumed(r, signal.SIGTERM)
-    assert_same_weights(r.weights, reference(torchrun_cmd(2, *FT)).weights, exact=True)
+    assert_same_weights(r.weights, reference(digits_cmd(project, "torchrun")).weights, exact=True)
 
 
 # ---------------------------------------------------------------------------
