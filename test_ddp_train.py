@@ -307,7 +307,7 @@ def test_user_dataset_resumed_on_another_world_size_matches_the_uninterrupted_ru
     assert resumed_at(final.stdout) == (step - 23, step) and "saved by world size 2" in final.stdout, final
     one = reference(python_cmd(*PLAIN, "--batch-size", "64", script=plain))
     assert_same_weights(final.weights, one.weights)
-    assert [m["train_samples"] for m in final.metrics] == [1437, 1437]
+    assert [e["train_samples"] for e in final.metrics] == [1437, 1437]
     assert final.metrics[1]["train_loss"] == pytest.approx(one.metrics[1]["train_loss"], rel=1e-5)
 
 
