@@ -13,6 +13,9 @@ One invocation runs, interleaved in rounds so that drift of the machine cancels 
      batch size and N workers, AdamW, cross entropy; no per-sample seeding
   7, 8. 5 and 6 again, with the Dataset augmenting through torch alone (DIGITS_AUGMENT=torch), as
      torchvision's transforms do: ddp_train.py then seeds one generator per sample instead of three
+  9-12. a language model, examples/tinylm.py (variable-length functions of the standard library,
+     padded by its collate_fn, a loss averaged over tokens): ddp_train.py against the loop a user
+     writes by hand for the same Dataset, collate_fn and model, in one process and under torchrun 2x1
 
 and reports steady-state training samples/s (the epochs after the first, training only), the time from
 launch to the first finished optimizer step, and peak memory per process, as the median and min-max over
@@ -40,7 +43,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TARGETS = {("ddp_1", "hand_1"): 0.95, ("ddp_2", "tutorial_2"): 1.15,  # from the project's performance issue
-           ("digits_1", "digits_hand_1"): 0.95, ("digits_torch_1", "digits_torch_hand_1"): 0.95}
+           ("digits_1", "digits_hand_1"): 0.95, ("digits_torch_1", "digits_torch_hand_1"): 0.95,
+           ("lm_1", "lm_hand_1"): 0.95, ("lm_2", "lm_hand_2"): 1.0}  # and from the language-model issue
 
 
 # ---------------------------------------------------------------------------
@@ -48,12 +52,14 @@ TARGETS = {("ddp_1", "hand_1"): 0.95, ("ddp_2", "tutorial_2"): 1.15,  # from the
 # ---------------------------------------------------------------------------
 
 
-def record(path, epoch, samples, seconds, first_step_at, device):
+def record(path, epoch, samples, seconds, first_step_at, device, tokens=None):
     """One metrics line, with the same memory figures ddp_train.py writes."""
     import ddp_train
 
     rec = {"epoch": epoch, "samples_per_sec": samples / seconds, "first_step_at": first_step_at,
            **ddp_train.memory_stats(ddp_train.DistContext(device=device))}
+    if tokens is not None:
+        rec["tokens_per_sec"] = tokens / seconds
     with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")
 
@@ -125,6 +131,60 @@ def user_dataset_loop(opts):
     plain_training(opts, model, epoch_batches, len(train_set), device)
 
 
+def tinylm_loop(opts):
+    """The loop a user writes by hand for examples/tinylm.py: a DataLoader with its collate_fn (under
+    torchrun: a DistributedSampler, DDP, and each rank's own token mean), AdamW, the same model."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import ddp_train
+    from examples import tinylm
+
+    tinylm.TRAIN_SIZE, tinylm.EVAL_SIZE = opts.lm_samples, 0
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group(backend="gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if opts.device == "cuda" else torch.device("cpu")
+    args = ddp_train.parse_args(["--seed", "0"])
+    torch.manual_seed(0)
+    train_set, _ = tinylm.build_datasets(args)
+    model = tinylm.build_model(args).to(device)
+    model = DDP(model) if distributed else model
+    sampler = DistributedSampler(train_set) if distributed else None
+    loader = DataLoader(train_set, batch_size=opts.batch_size, shuffle=sampler is None, sampler=sampler,
+                        collate_fn=tinylm.collate_fn, num_workers=opts.workers, persistent_workers=opts.workers > 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    first_step_at = None
+    for epoch in range(opts.epochs):
+        if sampler:
+            sampler.set_epoch(epoch)
+        t0, tokens = time.perf_counter(), 0
+        for batch in loader:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum, count, _ = tinylm.compute_loss(model, batch)
+            (loss_sum / count).backward()
+            optimizer.step()
+            tokens += count
+            if first_step_at is None:
+                first_step_at = time.time()
+        tokens = int(tokens)
+        if distributed:  # every rank's tokens, for the rate of the whole run
+            total = torch.tensor([tokens])
+            dist.all_reduce(total)
+            tokens = int(total)
+        if not distributed or dist.get_rank() == 0:
+            record(opts.metrics, epoch + 1, len(train_set), time.perf_counter() - t0, first_step_at, device, tokens)
+    del model, optimizer
+    gc.collect()
+    if distributed:
+        dist.destroy_process_group()
+
+
 def tutorial_ddp(opts):
     """The tutorial DDP script: DataLoader over a TensorDataset, DistributedSampler, DDP, and the
     per-step loss.item() it uses for logging. (It releases DDP before the process group, so that
@@ -180,23 +240,41 @@ CONFIGS = [  # (key, label, processes, program)
     ("digits_hand_1", "hand-written DataLoader loop", 1, "digits_hand"),
     ("digits_torch_1", "ddp_train.py (torch-only aug.)", 1, "digits"),
     ("digits_torch_hand_1", "hand-written, torch-only aug.", 1, "digits_hand"),
+    ("lm_1", "ddp_train.py (tinylm), 1 process", 1, "lm"),
+    ("lm_hand_1", "hand-written loop (tinylm)", 1, "lm_hand"),
+    ("lm_2", "ddp_train.py (tinylm), 2x1", 2, "lm"),
+    ("lm_hand_2", "hand-written DDP (tinylm), 2x1", 2, "lm_hand"),
 ]
 RATIOS = [("ddp_1", "hand_1"), ("ddp_2", "tutorial_2"), ("ddp_2", "ddp_1"), ("digits_1", "digits_hand_1"),
-          ("digits_torch_1", "digits_torch_hand_1")]
-BASELINES = {"hand": hand_written_loop, "tutorial": tutorial_ddp, "digits_hand": user_dataset_loop}
+          ("digits_torch_1", "digits_torch_hand_1"), ("lm_1", "lm_hand_1"), ("lm_2", "lm_hand_2")]
+BASELINES = {"hand": hand_written_loop, "tutorial": tutorial_ddp, "digits_hand": user_dataset_loop,
+             "lm_hand": tinylm_loop}
+# examples/tinylm.py with a smaller training set, as a user shrinks it: its module constants, set first.
+TINYLM_SCRIPT = """import sys
+sys.path[:0] = [{here!r}, {examples!r}]
+import ddp_train
+import tinylm
+tinylm.TRAIN_SIZE, tinylm.EVAL_SIZE = {samples}, 0
+sys.exit(ddp_train.main())
+"""
 
 
 def command(opts, nproc, program, metrics: Path) -> list[str]:
     common = ["--epochs", str(opts.epochs), "--batch-size", str(opts.batch_size)]
-    if program.startswith("digits"):  # the user-Dataset pair: examples/digits.py's own data, N workers
+    if program.startswith(("digits", "lm")):  # the user-Dataset pairs: their own data, N workers
         common += ["--workers", str(opts.workers)]
     else:
         common += ["--num-samples", str(opts.num_samples)]
-    if program in ("ddp_train", "digits"):
-        trainer = HERE / ("ddp_train.py" if program == "ddp_train" else "examples/digits.py")
+    if program in ("ddp_train", "digits", "lm"):
+        trainer = {"ddp_train": HERE / "ddp_train.py", "digits": HERE / "examples/digits.py",
+                   "lm": metrics.parent / "tinylm_run.py"}[program]
+        if program == "lm":
+            trainer.write_text(TINYLM_SCRIPT.format(here=str(HERE), examples=str(HERE / "examples"),
+                                                    samples=opts.lm_samples))
         script = [str(trainer), *common, "--out-dir", str(metrics.parent), "--resume", "never"]
     else:
-        script = [str(HERE / "bench_ddp_train.py"), "--baseline", program, *common, "--metrics", str(metrics)]
+        script = [str(HERE / "bench_ddp_train.py"), "--baseline", program, *common, "--metrics", str(metrics),
+                  "--lm-samples", str(opts.lm_samples), "--device", opts.device]
     if nproc == 1:
         return [sys.executable, *script]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *script]
@@ -220,9 +298,15 @@ def run_once(opts, key, nproc, program, workdir: Path) -> dict:
     if proc.returncode != 0 or not metrics.exists():
         sys.exit(f"bench_ddp_train.py: {key} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     epochs = [json.loads(line) for line in metrics.read_text().splitlines()]
-    steady = [e["samples_per_sec"] for e in epochs[1:]] or [epochs[0]["samples_per_sec"]]
-    return {"samples_per_sec": statistics.median(steady), "first_step_s": epochs[0]["first_step_at"] - launched,
-            "peak_rss_mb": max(e["peak_rss_mb"] for e in epochs)}
+    steady = epochs[1:] or epochs[:1]
+    return {"samples_per_sec": statistics.median(e["samples_per_sec"] for e in steady),
+            "tokens_per_sec": statistics.median(e.get("tokens_per_sec", 0.0) for e in steady),
+            "first_step_s": epochs[0]["first_step_at"] - launched, "peak_rss_mb": max(e["peak_rss_mb"] for e in epochs)}
+
+
+def rate_of(key: str) -> str:
+    """What a configuration's throughput is measured in: tokens for the language model, else samples."""
+    return "tokens_per_sec" if key.startswith("lm") else "samples_per_sec"
 
 
 def spread(values, fmt) -> str:
@@ -240,6 +324,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=64, help="per process")
     p.add_argument("--workers", type=int, default=0,
                    help="DataLoader workers of the user-Dataset pairs (5-8): ddp_train.py --workers, num_workers")
+    p.add_argument("--lm-samples", type=int, default=400, help="examples/tinylm.py's training set (functions)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--timeout", type=float, default=600, help="seconds for any one run")
     p.add_argument("--baseline", choices=tuple(BASELINES), help=argparse.SUPPRESS)
@@ -249,7 +334,7 @@ def main(argv=None):
         sys.path.insert(0, str(HERE))
         return BASELINES[opts.baseline](opts)
     if opts.quick:
-        opts.rounds, opts.epochs, opts.num_samples = 1, 2, 8192
+        opts.rounds, opts.epochs, opts.num_samples, opts.lm_samples = 1, 2, 8192, 64
 
     import torch
 
@@ -272,19 +357,20 @@ def main(argv=None):
                 results[key].append(run_once(opts, key, nproc, program, Path(workdir)))
             print(f"  round {round_no + 1}/{opts.rounds} done", flush=True)
 
-    print(f"\n{'configuration':<30} {'samples/s, median (min-max)':>30} {'launch->first step':>22} {'peak RSS/process':>17}")
+    print(f"\n{'configuration':<34} {'samples/s (tinylm: tokens/s), median (min-max)':>46} {'launch->first step':>22} "
+          f"{'peak RSS/process':>17}")
     for key, label, *_ in configs:
-        runs = results[key]
-        print(f"{label:<30} {spread([r['samples_per_sec'] for r in runs], lambda v: f'{v:,.0f}'):>30} "
+        runs, rate = results[key], rate_of(key)
+        print(f"{label:<34} {spread([r[rate] for r in runs], lambda v: f'{v:,.0f}'):>46} "
               f"{spread([r['first_step_s'] for r in runs], lambda v: f'{v:.2f} s'):>22} "
               f"{spread([r['peak_rss_mb'] for r in runs], lambda v: f'{v:.0f} MB'):>17}")
-    print(f"\n{'ratio (per round)':<62} {'median (min-max)':>20} {'target':>8}")
+    print(f"\n{'ratio (per round)':<70} {'median (min-max)':>20} {'target':>8}")
     labels = {key: label for key, label, *_ in configs}
     for a, b in RATIOS:
         if a in results and b in results:
-            ratios = [x["samples_per_sec"] / y["samples_per_sec"] for x, y in zip(results[a], results[b])]
+            ratios = [x[rate_of(a)] / y[rate_of(b)] for x, y in zip(results[a], results[b])]
             target = f">= {TARGETS[a, b]:.2f}" if (a, b) in TARGETS else ""
-            print(f"{labels[a] + ' / ' + labels[b]:<62} {spread(ratios, lambda v: f'{v:.2f}x'):>20} {target:>8}")
+            print(f"{labels[a] + ' / ' + labels[b]:<70} {spread(ratios, lambda v: f'{v:.2f}x'):>20} {target:>8}")
     if opts.quick:
         print("\n--quick measures one short epoch per configuration: it checks that everything runs; its figures\n"
               "swing with the machine's noise. Without --quick the figures are medians over interleaved rounds.")

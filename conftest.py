@@ -214,14 +214,14 @@ def shared(tmp_path_factory, name: str):
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """reference(cmd): the Result of a run that several tests compare against, made once per session
-    (by whichever xdist worker asks first)."""
+    """reference(cmd, **env): the Result of a run (with these environment variables) that several
+    tests compare against, made once per session (by whichever xdist worker asks first)."""
 
-    def get(cmd):
-        key = hashlib.sha256("\0".join(map(str, cmd)).encode()).hexdigest()[:12]
+    def get(cmd, **env):
+        key = hashlib.sha256("\0".join(map(str, [*cmd, *sorted(env.items())])).encode()).hexdigest()[:12]
         with shared(tmp_path_factory, f"reference-{key}") as d:
             if not (d / "done").exists():
-                run(cmd, d)
+                run(cmd, d, env=clean_env(**env))
                 (d / "done").touch()
         return Result(0, (d / "out.out").read_text(), (d / "out.err").read_text(), d / "out")
 
@@ -421,9 +421,16 @@ import digits
 calls = 0
 
 
+def before_training():  # ddp_train's passes over the first batch (count_flops, warm_up) do not count
+    frame = sys._getframe()
+    while frame and frame.f_code.co_name not in ("count_flops", "warm_up"):
+        frame = frame.f_back
+    return frame is not None
+
+
 def tripwire(module, inputs):
     global calls
-    if not module.training or not inputs:  # evaluation, and DDP's data-free backward, do not count
+    if not module.training or not inputs or before_training():  # evaluation, DDP's data-free backward
         return
     calls += 1
     rank = int(os.environ.get("RANK", 0))
@@ -585,13 +592,28 @@ if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
     # Mistakes: per-sample losses instead of their sum (BAD=loss); items that do not batch (BAD=items);
-    # a bug in __getitem__ (BAD=getitem).
+    # a bug in __getitem__ (BAD=getitem); a collate_fn that raises (BAD=collate); a streaming
+    # IterableDataset (BAD=iterable).
     "bad.py": """
 import os
 import sys
+import torch
 import torch.nn.functional as F
 import ddp_train
 import digits
+
+
+def collate_fn(items):
+    images, labels = zip(*items)
+    return torch.stack(images), torch.tensor(labels.tolist())  # a tuple has no tolist()
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __iter__(self):
+        return (self.inner[i] for i in range(len(self.inner)))
 
 
 def compute_loss(model, batch):
@@ -623,6 +645,10 @@ def build_datasets(args):
 
 if os.environ["BAD"] == "loss":
     ddp_train.compute_loss = compute_loss
+elif os.environ["BAD"] == "collate":
+    ddp_train.collate_fn = collate_fn
+elif os.environ["BAD"] == "iterable":
+    ddp_train.build_datasets = lambda args: (Stream(digits.build_datasets(args)[0]), None)
 else:
     ddp_train.build_datasets = build_datasets
 if __name__ == "__main__":
@@ -656,6 +682,51 @@ def slow_save(obj, path, *rest, save=ddp_train.atomic_save, **kwargs):
 
 
 ddp_train.build_datasets, ddp_train.atomic_save = build_datasets, slow_save
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # examples/tinylm.py (a language model on variable-length token batches) with stopper.py's tripwire;
+    # LM_<CONSTANT>=value overrides its sizes (LM_TRAIN_SIZE=48, LM_DROPOUT=0).
+    "lm.py": """
+import os
+import sys
+import ddp_train
+import stopper  # its tripwire (importing it plugs in digits: tinylm replaces that below)
+import tinylm
+
+for name in ("TRAIN_SIZE", "EVAL_SIZE", "MAX_LEN", "DIM", "LAYERS", "HEADS", "DROPOUT"):
+    if "LM_" + name in os.environ:
+        setattr(tinylm, name, type(getattr(tinylm, name))(os.environ["LM_" + name]))
+
+
+def build_model(args):
+    model = tinylm.build_model(args)
+    model.register_forward_pre_hook(stopper.tripwire)
+    return model
+
+
+ddp_train.build_datasets, ddp_train.build_model = tinylm.build_datasets, build_model
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # An LSTM over the digit images' rows: an op torch's FLOP counter has no formula for on the CPU.
+    "rnn.py": """
+import sys
+import torch.nn as nn
+import ddp_train
+import digits
+
+
+class RowLSTM(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(8, 32, batch_first=True), nn.Linear(32, 10)
+
+    def forward(self, images):
+        return self.head(self.lstm(images.squeeze(1))[0][:, -1])
+
+
+ddp_train.build_model = RowLSTM
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
@@ -714,6 +785,7 @@ def project(tmp_path_factory) -> Path:
             shutil.copy(SCRIPT, d)
             for name, text in VARIANTS.items():
                 (d / name).write_text(text.lstrip())
+            shutil.copy(ROOT / "examples" / "tinylm.py", d)
             shutil.copy(ROOT / "examples" / "digits.py", d)  # last: it marks the copy complete
     return d
 

@@ -10,8 +10,9 @@ One file, torch only. Launch it unchanged in any of these ways:
     srun --ntasks-per-node=8 --gpus-per-task=1 python ddp_train.py     # SLURM: one task per GPU
     python -m torch.distributed.launch --nproc_per_node=2 ddp_train.py  # the legacy launcher
 
-Your task is three functions at the top: build_datasets(), build_model() and compute_loss().
-Edit them here, or import this file from your own script and assign yours (see the README).
+Your task is four functions at the top: build_datasets(), build_model(), compute_loss() and, for
+items of different shapes, collate_fn(). Edit them here, or import this file from your own script and
+assign yours (see the README).
 
 Read it top to bottom: first the lesson, where each line DDP adds to a plain loop says "DDP:" and
 each classic trap "Trap:"; then, after a divider, the machinery, one section per feature.
@@ -42,14 +43,17 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode  # (FlopCounterMode's own base)
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset, default_collate
+from torch.utils.flop_counter import FlopCounterMode
 
 PROG = "ddp_train.py"
 IN_FEATURES, NUM_CLASSES, HIDDEN = 32, 10, 256  # the default task (see build_datasets)
 
 
 # ============================================================================
-# Your task: replace these three functions
+# Your task: replace these functions
 # ============================================================================
 
 
@@ -82,26 +86,28 @@ def build_model(args) -> nn.Module:
 
 
 def compute_loss(model: nn.Module, batch) -> tuple:
-    """(loss_sum, num_samples) or (loss_sum, num_samples, metric_sums) of one batch, for training
-    and evaluation. loss_sum is the SUM of the batch's per-sample losses and num_samples the number
-    of samples in it: sums make every logged mean exact, whatever the world size. metric_sums are
-    further per-batch sums that evaluation adds up over all ranks and logs as means (eval_accuracy).
-    `batch` is what the DataLoader collated from your items, already on the device."""
+    """(loss_sum, count) or (loss_sum, count, metric_sums) of one batch, for training and evaluation.
+    loss_sum is a SUM of losses and count what it sums over (an int or a 0-dim tensor): samples for a
+    classifier, real tokens for a language model. Every mean the script takes (the gradient, the
+    logged losses) is a sum over all micro-batches and ranks divided by theirs: exact, whatever the
+    world size. metric_sums: further sums that evaluation divides by the count (eval_accuracy).
+    `batch` is what collate_fn made of your items, already on the device."""
     inputs, targets = batch
     logits = model(inputs).float()
     loss_sum = F.cross_entropy(logits, targets, reduction="sum")
     return loss_sum, len(targets), {"accuracy": (logits.argmax(dim=1) == targets).sum()}
 
 
-# ============================================================================
-# Arguments: the core ones; the machinery adds its own (add_machinery_arguments)
-# ============================================================================
+# collate_fn(items) -> batch: how a list of items becomes one batch. torch's default stacks tensors and
+# numbers of equal shapes; items of different lengths need one that pads them (examples/tinylm.py).
+collate_fn = default_collate
+COUNT_UNIT = "samples"  # what compute_loss's count counts ("tokens"): names the throughput in the log
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(prog=PROG, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-               description="Reference DistributedDataParallel training script. Launch it with python, "
-                           "torchrun, torch.distributed.launch, srun, or --spawn N.")
+    """The core arguments; the machinery adds its own (add_machinery_arguments)."""
+    p = Parser(prog=PROG, formatter_class=argparse.ArgumentDefaultsHelpFormatter, description="Reference "
+               "DistributedDataParallel training script: python, torchrun, torch.distributed.launch, srun, --spawn N.")
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
     g.add_argument("--batch-size", type=at_least(1), default=64,
@@ -220,14 +226,15 @@ class Job:
     eval_data: Loader | None
     global_batch: int
     steps_per_epoch: int
-    gradients_checked: bool = False
+    flops_per_sample: float | None  # training FLOPs (forward + backward), counted on the first batch
+    typical_count: float = 1.0  # the first batch's count: the scale of the sums that backward sees
 
 
 def train(args, ctx: DistContext, stop: StopSignal) -> int:
     """Every rank builds the same data and model, wraps it in DDP, and trains. Returns the exit code."""
     seed_everything(args.seed)  # first: a random split inside build_datasets then agrees across ranks
     train_set, eval_set = (place_dataset(d, ctx) for d in build_datasets(args))
-    check_datasets_agree(train_set, eval_set, ctx)
+    check_datasets(train_set, eval_set, ctx)
     seed_everything(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(args).to(ctx.device)
     seed_everything(mix_seed(args.seed, RANK_STREAM, ctx.rank))  # DDP: each rank its own dropout masks
@@ -244,20 +251,17 @@ def train(args, ctx: DistContext, stop: StopSignal) -> int:
     if progress.epoch >= args.epochs:
         return checkpoints.finished(model)
 
+    train_data = Loader(train_set, args.batch_size, ctx, args.workers, args.seed)
+    flops, why_not = count_flops(model, train_data, args, ctx) if args.count_flops else (None, "")  # before DDP
     ddp_model = wrap_model(model, args, ctx)
     job = Job(args, ctx, model, ddp_model, torch.compile(ddp_model) if args.compile else ddp_model,
               optimizer, scheduler, scaler,
               # DDP: each rank reads its own share of each epoch's shuffle; one process reads it all.
               DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed),
-              Loader(train_set, args.batch_size, ctx, args.workers, args.seed),
-              Loader(eval_set, args.batch_size, ctx, args.workers, args.seed) if eval_set else None,
-              global_batch, steps_per_epoch)
-    log(ctx, f"{PROG}: {ctx.launcher}, world size {ctx.world_size} ({ctx.local_world_size}/node), "
-             f"{ctx.backend if ctx.distributed else 'no process group'}, {ctx.device}, "
-             f"{torch.get_num_threads()} thread(s)/process")
-    log(ctx, f"global batch {global_batch} = {args.batch_size}/process x {ctx.world_size} x {args.grad_accum} accum, "
-             f"lr {lr:g}, {len(train_set):,} train / {len(eval_set) if eval_set else 0:,} eval samples, "
-             f"{steps_per_epoch} steps/epoch")
+              train_data, Loader(eval_set, args.batch_size, ctx, args.workers, args.seed) if eval_set else None,
+              global_batch, steps_per_epoch, flops)
+    warm_up(job)  # the first batch through DDP once, untrained: all-reduce buckets in the real order
+    log_start(job, lr, why_not)
     with explain_unused_parameters(model, ctx):
         return train_loop(job, progress, checkpoints, stop)
 
@@ -266,59 +270,35 @@ def wrap_model(model: nn.Module, args, ctx: DistContext) -> nn.Module:
     """DDP: wrap the model so that backward() also averages the gradients over all ranks."""
     if not ctx.distributed:
         return model
-    if args.sync_bn:  # before wrapping: DDP must see the SyncBatchNorm modules
-        if ctx.device.type != "cuda":
-            fail("--sync-bn needs CUDA: torch's SyncBatchNorm has no CPU implementation", ctx=ctx)
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = sync_batchnorm(model, args, ctx)  # --sync-bn, before wrapping: DDP must see SyncBatchNorm
     # DDP: the wrap. It broadcasts rank 0's weights, then all-reduces gradients during backward().
     ddp_model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                     find_unused_parameters=args.find_unused_parameters,
                     gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets: one copy less
     if args.grad_compression == "bf16":
         ddp_model.register_comm_hook(None, bf16_allreduce_hook)
-    warm_up_ddp(ddp_model)
     return ddp_model
 
 
 def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints, stop: StopSignal) -> int:
     """Epochs of optimizer steps. All ranks run every line together; rank 0 alone prints and writes."""
     args, ctx, stats = job.args, job.ctx, EpochStats(job.ctx, job.args.amp)
-    per_rank_step = args.batch_size * args.grad_accum  # samples of one rank in one full step
     while progress.epoch < args.epochs:
         job.sampler.set_epoch(progress.epoch)  # Trap: without it every epoch repeats the same shuffle
-        mine = my_share(job.sampler, ctx)  # DDP: this rank's samples of the epoch
-        data = job.train_data.batches(mine[progress.step_in_epoch * per_rank_step :], progress.epoch)
+        # DDP: this rank's samples of each step: its share of the step's global batch, as micro-batches.
+        steps = plan_steps(my_share(job.sampler, ctx), job)
+        data = job.train_data.batches([mb for step in steps[progress.step_in_epoch :] for mb in step], progress.epoch)
         stats.start_epoch(progress)
         for step in range(progress.step_in_epoch, job.steps_per_epoch):  # (a resumed epoch skips the done)
-            # --- the step: the samples at [step, step + 1) x global batch of the epoch's shuffle ---
-            step_samples = min(len(job.sampler.dataset), (step + 1) * job.global_batch) - step * job.global_batch
-            n_micro = max(0, min(args.grad_accum, math.ceil((len(mine) - step * per_rank_step) / args.batch_size)))
-            for micro in range(n_micro):
-                # DDP: all-reduce the gradients only in the backward of the step's last micro-batch.
-                last = micro == n_micro - 1
-                with contextlib.nullcontext() if last or not ctx.distributed else job.ddp_model.no_sync():
-                    with autocast(args, ctx):
-                        loss_sum, n, _ = call_compute_loss(job.forward, next(data), ctx)
-                    # DDP: backward() averages over ranks; x world/samples makes it the step's sample mean.
-                    job.scaler.scale(loss_sum * (ctx.world_size / step_samples)).backward()
-                stats.add(loss_sum, n)
-            if n_micro == 0:  # DDP: none of the step's samples are here, but every rank joins the all-reduce
-                zero_gradient_backward(job.ddp_model)
-            if not job.gradients_checked:
-                check_every_parameter_got_a_gradient(job)
-            stats.end_step(clip_gradients(job))
-            job.scaler.step(job.optimizer)
-            job.scaler.update()
-            job.optimizer.zero_grad(set_to_none=True)
-            job.scheduler.step()
-            progress.step_done()
+            train_step(job, data, len(steps[step]), stats)
+            progress.step_done(samples_in_step(step, job))
             # --- periodic: all ranks (the stop agreement, the loss sum and the save are collectives) ---
             stopping, log_now, save_now = stop.should_stop(), every(progress.step, args.log_every), \
                 every(progress.step, args.save_every)
             if stopping or log_now or save_now:
                 stats.fold(progress)  # DDP: the loss sums of all ranks, all-reduced
             if log_now:  # rank 0 only
-                log(ctx, f"  step {progress.step:>7,}  train_loss {progress.loss_sum / progress.samples:.4f}  "
+                log(ctx, f"  step {progress.step:>7,}  train_loss {progress.loss_sum / progress.count:.4f}  "
                          f"lr {job.scheduler.get_last_lr()[0]:.3g}")
             if stopping or save_now:
                 checkpoints.save(job, progress)  # rank 0 writes, every rank waits for it
@@ -338,12 +318,28 @@ def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints, stop: Sto
     return 0
 
 
-def broadcast_buffers(model: nn.Module, ctx: DistContext) -> None:
-    """DDP: give every rank rank 0's buffers (BatchNorm statistics), so that evaluation on every
-    rank, and model.pt, describe one model. (DDP itself does this at the next step's start.)"""
-    if ctx.distributed:
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
+def train_step(job: Job, data, n_micro: int, stats: EpochStats) -> None:
+    """One optimizer step: forward and backward over this rank's micro-batches, then the update."""
+    args, ctx, count = job.args, job.ctx, 0
+    for micro in range(n_micro):
+        # DDP: all-reduce the gradients only in the backward of the step's last micro-batch.
+        last = micro == n_micro - 1
+        with contextlib.nullcontext() if last or not ctx.distributed else job.ddp_model.no_sync():
+            with autocast(args, ctx):
+                loss_sum, n, _ = call_compute_loss(job.forward, next(data), ctx)
+            count = count + n  # what this rank's losses sum over in this step: samples, tokens
+            if last:
+                step_count = AsyncSum(count, ctx)  # DDP: every rank's count, summed while backward runs
+            job.scaler.scale(loss_sum / job.typical_count).backward()  # the sum: / the global count below
+        stats.add(loss_sum, n)
+    if n_micro == 0:  # DDP: none of the step's samples are here, but every rank joins both all-reduces
+        step_count = AsyncSum(0, ctx)
+        zero_gradient_backward(job.ddp_model)
+    stats.end_step(mean_gradients(job, step_count.wait()))  # DDP: sums / the global count, then clipped
+    job.scaler.step(job.optimizer)
+    job.scaler.update()
+    job.optimizer.zero_grad(set_to_none=True)
+    job.scheduler.step()
 
 
 @torch.no_grad()
@@ -353,16 +349,18 @@ def evaluate(model: nn.Module, data: Loader, args, ctx: DistContext) -> dict:
     model.eval()
     # DDP: each rank evaluates its own share, in order; my_share() drops the sampler's padding.
     sampler = DistributedSampler(data.dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
-    sums: dict = {}
-    for batch in data.batches(my_share(sampler, ctx), EVAL_EPOCH):
+    mine = my_share(sampler, ctx)
+    sums: dict = {"samples": len(mine)}
+    for batch in data.batches(split(mine, args.batch_size), EVAL_EPOCH):
         with autocast(args, ctx):
             loss_sum, n, metric_sums = call_compute_loss(model, batch, ctx)
-        for name, value in {"loss": loss_sum, "samples": n, **metric_sums}.items():
+        for name, value in {"loss": loss_sum, "count": n, **metric_sums}.items():
             sums[name] = sums.get(name, 0) + (value.detach().double() if torch.is_tensor(value) else value)
     totals = sum_over_ranks({name: float(value) for name, value in sums.items()}, ctx)  # DDP: all ranks' sums
     model.train()
-    count = totals.pop("samples", 0.0)
-    return {**{f"eval_{name}": value / count for name, value in totals.items()}, "eval_samples": int(count)}
+    samples, count = int(totals.pop("samples")), totals.pop("count", 0.0)
+    return {**{f"eval_{name}": value / count for name, value in totals.items()}, "eval_samples": samples,
+            **({f"eval_{COUNT_UNIT}": whole(count)} if COUNT_UNIT != "samples" else {})}
 
 
 def save_model(model: nn.Module, progress: Progress, args, ctx: DistContext) -> None:
@@ -391,9 +389,7 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.spawn:
-        return spawn_workers(args)
-    return run(args)
+    return spawn_workers(args) if args.spawn else run(args)
 
 
 # ############################################################################
@@ -411,6 +407,9 @@ def add_machinery_arguments(p: argparse.ArgumentParser) -> None:
                         "(-1: none on the CPU, a few with CUDA)")
     g.add_argument("--grad-compression", choices=("none", "bf16"), default="none",
                    help="all-reduce gradients in bfloat16: half the bytes, but the numerics change")
+    g.add_argument("--count-flops", action=argparse.BooleanOptionalAction, default=True,
+                   help="count the training FLOPs per sample on the first batch (torch's FlopCounterMode), for the "
+                        "FLOP/s and MFU figures")
     g.add_argument("--peak-tflops", type=above(0.0), default=None,
                    help="peak TFLOP/s of one GPU, for the MFU figure (default: from the GPU's name)")
     g = p.add_argument_group("model and optimizer")
@@ -449,15 +448,15 @@ class Progress:
     epoch: int = 0  # epochs completed
     step_in_epoch: int = 0  # optimizer steps done in the current epoch
     step: int = 0  # optimizer steps done in total
-    loss_sum: float = 0.0  # the current epoch's global train-loss sum and sample count so far,
-    samples: int = 0  # ... so that a resumed epoch still logs the exact mean
+    loss_sum: float = 0.0  # the current epoch's global train-loss sum and its count so far,
+    samples: int = 0  # ... and samples trained, so that a resumed epoch still logs the exact means
+    count: float = 0.0
 
-    def step_done(self):
-        self.step += 1
-        self.step_in_epoch += 1
+    def step_done(self, samples: int):
+        self.step, self.step_in_epoch, self.samples = self.step + 1, self.step_in_epoch + 1, self.samples + samples
 
     def next_epoch(self):
-        self.epoch, self.step_in_epoch, self.loss_sum, self.samples = self.epoch + 1, 0, 0.0, 0
+        self.epoch, self.step_in_epoch, self.loss_sum, self.samples, self.count = self.epoch + 1, 0, 0.0, 0, 0.0
 
 
 class Checkpoints:
@@ -492,7 +491,8 @@ class Checkpoints:
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])
-        progress = Progress(ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"], ckpt["loss_sum"], ckpt["samples"])
+        progress = Progress(ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"], ckpt["loss_sum"], ckpt["samples"],
+                            ckpt.get("count", ckpt["samples"]))  # (a checkpoint from before counts: samples)
         if ckpt["world_size"] == self.ctx.world_size:
             restore_rng(ckpt["rng"][self.ctx.rank], self.ctx)
         else:  # no saved stream fits a new world size: a fresh, deterministic one per rank
@@ -802,23 +802,33 @@ class Loader:
         on_gpu = ctx.device.type == "cuda"
         if workers < 0:
             workers = min(4, max(1, cores() // ctx.local_world_size - 1)) if on_gpu else 0
-        if type(dataset) is not TensorDataset and workers > 0:
+        if not self.in_memory and workers > 0:
             # Workers started once, not every epoch (persistent); a private generator for the
             # loader's base seed, because the global one belongs to the model (dropout).
             self.loader = DataLoader(self.samples, batch_sampler=self.plan, num_workers=workers,
                                      persistent_workers=True, pin_memory=on_gpu, collate_fn=collate,
                                      worker_init_fn=leave_signals_to_trainer, generator=torch.Generator())
 
-    def batches(self, indices: list[int], epoch: int):
-        """Yield the samples `indices` of `epoch` in order, batch_size at a time."""
-        if type(self.dataset) is TensorDataset:  # exactly: a subclass may augment in its own __getitem__
+    @property
+    def in_memory(self) -> bool:
+        """Exactly a TensorDataset (a subclass may augment in its own __getitem__), batched by stacking."""
+        return type(self.dataset) is TensorDataset and collate_fn is default_collate
+
+    def first_batch(self) -> tuple[object, int]:
+        """The training set's first micro-batch (samples 0, 1, ... of epoch 0), and its sample count."""
+        indices = list(range(min(self.batch_size, len(self.dataset))))
+        return next(self.batches([indices], 0)), len(indices)
+
+    def batches(self, micro_batches: list[list[int]], epoch: int):
+        """Yield the batches of `epoch` made of these sample indices, in order."""
+        if self.in_memory:
             # In-memory tensors: gather a whole batch with one index op instead of collating samples.
             tensors = self.dataset.tensors
-            for rows in torch.as_tensor(indices, dtype=torch.long, device=tensors[0].device).split(self.batch_size):
+            for rows in micro_batches:
+                rows = torch.as_tensor(rows, dtype=torch.long, device=tensors[0].device)
                 yield tuple(t[rows].to(self.ctx.device, non_blocking=True) for t in tensors)
             return
-        keys = [(epoch, i) for i in indices]
-        self.plan.batches = [keys[i : i + self.batch_size] for i in range(0, len(keys), self.batch_size)]
+        self.plan.batches = [[(epoch, i) for i in rows] for rows in micro_batches]
         loaded = iter(self.loader) if self.loader else (load_here(self.samples, b) for b in self.plan.batches)
         try:
             for batch in loaded:
@@ -933,6 +943,46 @@ def my_share(sampler: DistributedSampler, ctx: DistContext) -> list[int]:
     return list(sampler)[: len(range(ctx.rank, len(sampler.dataset), ctx.world_size))]
 
 
+class AsyncSum:
+    """DDP: a number (an int, or a 0-dim tensor on the device) summed over all ranks by an all-reduce
+    that runs in the background; wait() returns the sum, a float64 tensor on the device."""
+
+    def __init__(self, value, ctx: DistContext):
+        self.total = torch.as_tensor(value, dtype=torch.float64, device=ctx.device).reshape(())
+        self.work = dist.all_reduce(self.total, async_op=True) if ctx.distributed else None  # SUM
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.total
+
+
+def whole(x: float):
+    """A count as JSON shows it best: an int when it is whole (tokens), else the float (weights)."""
+    return int(x) if float(x).is_integer() else x
+
+
+def plan_steps(mine: list[int], job: Job) -> list[list[list[int]]]:
+    """This rank's micro-batches in each step of the epoch. Step s trains the samples at [s, s + 1) x
+    global batch of the epoch's shuffle, which DistributedSampler deals out round-robin: this rank's
+    share of them is the same stretch of `mine`. (One process: all of them, in the same order.)"""
+    per_rank = job.global_batch // job.ctx.world_size
+    return [split(mine[s * per_rank : (s + 1) * per_rank], job.args.batch_size) for s in range(job.steps_per_epoch)]
+
+
+def samples_in_step(step: int, job: Job) -> int:
+    """Samples in a step over all ranks: the global batch, or what is left in the epoch's last step."""
+    return min(len(job.sampler.dataset), (step + 1) * job.global_batch) - step * job.global_batch
+
+
+def split(indices: list[int], most: int) -> list[list[int]]:
+    """`indices` in as few batches of at most `most` as can hold them, their sizes differing by one at
+    most: 65 samples at 64 are 33 + 32, never 64 + 1 (BatchNorm cannot train on one sample)."""
+    n = math.ceil(len(indices) / most)
+    bounds = [len(indices) * i // n for i in range(n + 1)] if n else []
+    return [indices[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
 def zero_gradient_backward(ddp_model: nn.Module) -> None:
     """A forward and backward through DDP that reads no data and contributes zero gradients, so that
     a rank without samples in a step still takes part in its all-reduce. The model's forward is
@@ -972,8 +1022,14 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def check_datasets_agree(train_set: Dataset, eval_set: Dataset | None, ctx: DistContext) -> None:
-    """Every rank built its own datasets: a cheap check that they are the same (their lengths)."""
+def check_datasets(train_set: Dataset, eval_set: Dataset | None, ctx: DistContext) -> None:
+    """Map-style Datasets, and the same on every rank: every rank built its own, so a cheap check
+    that they agree (their lengths)."""
+    for name, data in (("train", train_set), ("eval", eval_set)):
+        if isinstance(data, IterableDataset) or (data is not None and not hasattr(data, "__getitem__")):
+            fail(f"build_datasets returned an IterableDataset ({type(data).__name__}) as the {name} set: {PROG} needs "
+                 "map-style Datasets (__len__ and __getitem__) for its sampler, exact resume and N x B == 1 x N*B; "
+                 "index your samples (a list of token files, a memory-mapped array) instead of streaming them", ctx=ctx)
     if not ctx.distributed:
         return
     sizes = [len(train_set), len(eval_set) if eval_set is not None else 0]
@@ -1004,15 +1060,19 @@ def release_loader_cycle() -> None:
 
 
 class BatchError(TypeError):
-    """Items that default_collate cannot batch (raised in a worker, re-raised in the trainer)."""
+    """Items that collate_fn cannot batch (raised in a worker, re-raised in the trainer)."""
 
 
 def collate(items: list):
+    """collate_fn(items), looked up when called: yours, assigned on this module, in workers too."""
     try:
-        return default_collate(items)
-    except (TypeError, RuntimeError) as exc:
+        return collate_fn(items)
+    except Exception as exc:
+        if collate_fn is not default_collate:
+            raise BatchError(f"your collate_fn raised {type(exc).__name__}: {last_line(exc)}") from None
         raise BatchError(f"{last_line(exc)}. __getitem__ should return tensors, numbers or strings, or tuples, "
-                         "lists and dicts of them, with the same shapes for every item") from None
+                         "lists and dicts of them, with the same shapes for every item; items of different "
+                         "shapes need a collate_fn of yours that pads them") from None
 
 
 def to_device(batch, device: torch.device):
@@ -1203,13 +1263,22 @@ def release_before_teardown() -> None:
     gc.collect()
 
 
-def warm_up_ddp(ddp_model: DDP) -> None:
-    """DDP (every version) rebuilds its gradient buckets after the first backward, so the first
-    all-reduce rounds differently from all later ones; with more than two ranks the first step after
-    a resume would then differ in the last bit from the same step of an uninterrupted run. One
-    zero-gradient backward before training: no data, no RNG, no BatchNorm statistics touched."""
-    zero_gradient_backward(ddp_model)
-    ddp_model.zero_grad(set_to_none=True)
+def warm_up(job: Job) -> None:
+    """The first batch once forward and backward through DDP before training, leaving no trace (RNG,
+    BatchNorm statistics, gradients). DDP (every version) rebuilds its gradient buckets after its first
+    backward, in the order the gradients arrived: from a real batch that is the model's own order, so
+    that buckets all-reduce while backward still runs; and since every run, fresh or resumed, then
+    starts training on rebuilt buckets, the all-reduce rounds the same (bit-exact resume with more
+    than two ranks). It also checks that every parameter gets a gradient, and notes the batch's count."""
+    with preserved_state(job.model, job.ctx):
+        batch, _ = job.train_data.first_batch()  # the same samples on every rank
+        with autocast(job.args, job.ctx):
+            loss_sum, count, _ = call_compute_loss(job.ddp_model, batch, job.ctx)
+        loss_sum.backward()
+        check_every_parameter_got_a_gradient(job)
+    job.typical_count = float(count) if float(count) > 0 else 1.0
+    if job.ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(job.ctx.device)  # peak_gpu_mem_mb: training's, not resuming's
 
 
 @contextlib.contextmanager
@@ -1234,28 +1303,32 @@ def explain_unused_parameters(model: nn.Module, ctx: DistContext):
 
 
 class EpochStats:
-    """This rank's training losses, sample count and gradient norms since the last fold, kept on
-    the device (no host sync per step). fold() adds every rank's into the epoch's totals, and stops
-    the run, on every rank, at the first non-finite loss or gradient norm."""
+    """This rank's training loss sums, counts and gradient norms since the last fold, kept on the
+    device (no host sync per step). fold() adds every rank's into the epoch's totals, and stops the
+    run, on every rank, at the first non-finite loss or gradient norm. With fp16 a non-finite norm
+    is a step that the GradScaler skipped by design: those are counted, and kept out of the maximum."""
+
+    SKIPPED_IN_A_ROW = 20  # fp16: this many skipped steps in a row get a warning: the loss scale collapses
 
     def __init__(self, ctx: DistContext, amp: str):
-        self.ctx, self.check_norms = ctx, amp != "fp16"  # fp16's GradScaler skips inf steps by design
-        self.step_losses, self.norms, self.samples, self.current = [], [], 0, None
-        self.max_norm, self.first_step_at, self.zero = None, None, torch.zeros((), device=ctx.device)
+        self.ctx, self.fp16 = ctx, amp == "fp16"
+        self.step_losses, self.norms, self.count, self.current = [], [], 0, None
+        self.max_norm, self.skipped, self.in_a_row, self.first_step_at = None, 0, 0, None
+        self.zero = torch.zeros((), device=ctx.device)
 
     def start_epoch(self, progress: Progress) -> None:
-        self.started, self.samples_before, self.max_norm = time.perf_counter(), progress.samples, None
+        self.started, self.max_norm, self.skipped = time.perf_counter(), None, 0
+        self.samples_before, self.count_before = progress.samples, progress.count
 
-    def add(self, loss_sum: torch.Tensor, num_samples) -> None:
+    def add(self, loss_sum: torch.Tensor, count) -> None:
         loss = loss_sum.detach()
         self.current = loss if self.current is None else self.current + loss
-        self.samples = self.samples + num_samples
+        self.count = self.count + count
 
-    def end_step(self, grad_norm: torch.Tensor | None) -> None:
+    def end_step(self, grad_norm: torch.Tensor) -> None:
         self.step_losses.append(self.current if self.current is not None else self.zero)
         self.current = None
-        if grad_norm is not None:
-            self.norms.append(grad_norm.detach())
+        self.norms.append(grad_norm.detach())
         if self.first_step_at is None:  # start-up cost, once: when the first step has really finished
             if self.ctx.device.type == "cuda":
                 torch.cuda.synchronize(self.ctx.device)
@@ -1264,8 +1337,8 @@ class EpochStats:
     def fold(self, progress: Progress) -> None:
         """All ranks: add the sums since the last fold into the epoch's global totals."""
         losses = torch.stack(self.step_losses).double() if self.step_losses else torch.zeros(0, device=self.ctx.device)
-        totals = torch.stack([losses.sum(), torch.as_tensor(self.samples, dtype=torch.float64, device=losses.device)])
-        loss_sum, samples = all_reduce_sum(totals, self.ctx).tolist()  # DDP: every rank's, exactly
+        totals = torch.stack([losses.sum(), torch.as_tensor(self.count, dtype=torch.float64, device=losses.device)])
+        loss_sum, count = all_reduce_sum(totals, self.ctx).tolist()  # DDP: every rank's, exactly
         first = progress.step - len(self.step_losses) + 1  # the step of the first entry
         if not math.isfinite(loss_sum):
             bad = (~losses.isfinite()).nonzero()
@@ -1273,15 +1346,24 @@ class EpochStats:
             if self.ctx.distributed:
                 dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.ctx.control_group)  # the earliest rank's
             self.diverged(f"the training loss is {loss_sum} at step {-int(step)}")
-        if self.norms:
-            norms = torch.stack(self.norms)
-            bad = (~norms.isfinite()).nonzero()
-            if self.check_norms and len(bad):
-                self.diverged(f"the gradient norm is {float(norms[bad[0]])} at step {first + int(bad[0])}")
-            self.max_norm = max(self.max_norm or 0.0, float(norms.max()))
+        if self.norms:  # the norms of the all-reduced gradient: the same on every rank
+            self.fold_norms(torch.stack(self.norms), first)
         progress.loss_sum += loss_sum
-        progress.samples += int(samples)
-        self.step_losses, self.norms, self.samples = [], [], 0
+        progress.count += count
+        self.step_losses, self.norms, self.count = [], [], 0
+
+    def fold_norms(self, norms: torch.Tensor, first: int) -> None:
+        finite = norms.isfinite()
+        if not self.fp16 and not finite.all():
+            self.diverged(f"the gradient norm is {float(norms[~finite][0])} at step {first + int((~finite).nonzero()[0])}")
+        if finite.any():
+            self.max_norm = max(self.max_norm or 0.0, float(norms[finite].max()))
+        for ok in finite.tolist() if self.fp16 else ():
+            self.skipped, self.in_a_row = self.skipped + (not ok), 0 if ok else self.in_a_row + 1
+            if self.in_a_row == self.SKIPPED_IN_A_ROW:
+                log(self.ctx, f"{PROG}: warning: fp16: the GradScaler skipped {self.in_a_row} optimizer steps in a row "
+                              "(their gradients overflowed): the loss scale keeps collapsing. Try --amp bf16, a lower "
+                              "--lr or --clip-grad-norm", error=True)
 
     def diverged(self, what: str) -> None:
         fail(f"{what}: the run diverged and stopped; nothing non-finite was saved, the last checkpoint is intact. "
@@ -1291,17 +1373,38 @@ class EpochStats:
         """The epoch's line of metrics.jsonl, but for evaluation, at the end of its training."""
         seconds = time.perf_counter() - self.started
         samples_per_sec = (progress.samples - self.samples_before) / seconds
-        record = {"epoch": progress.epoch + 1, "train_loss": progress.loss_sum / max(1, progress.samples),
-                  "eval_loss": None, "eval_samples": 0, "train_samples": progress.samples,
+        record = {"epoch": progress.epoch + 1, "train_loss": progress.loss_sum / progress.count if progress.count
+                  else None, "eval_loss": None, "eval_samples": 0, "train_samples": progress.samples,
                   "samples_per_sec": samples_per_sec, "world_size": self.ctx.world_size,
                   "effective_batch_size": job.global_batch, "step": progress.step, "lr": job.scheduler.get_last_lr()[0],
                   "epoch_time_s": seconds, "first_step_at": self.first_step_at, **memory_stats(self.ctx)}
+        if COUNT_UNIT != "samples":  # tokens: train_tokens, tokens_per_sec
+            record.update({f"train_{COUNT_UNIT}": whole(progress.count),
+                           f"{COUNT_UNIT}_per_sec": (progress.count - self.count_before) / seconds})
         if self.max_norm is not None:
-            record["grad_norm"] = self.max_norm  # the largest before clipping, over the epoch
-        peak = peak_flops(job.args, self.ctx)
-        if peak:  # model FLOPs utilisation: achieved training FLOP/s over all GPUs' peak
-            record["mfu"] = samples_per_sec * flops_per_sample(job.model) / peak
+            record["grad_norm_max"] = self.max_norm  # the largest before clipping, over the epoch's steps
+        if self.fp16:
+            record["skipped_steps"] = self.skipped  # by the GradScaler: their gradients overflowed
+        if job.flops_per_sample:  # achieved training FLOP/s, and on a known GPU its share of the peak
+            flops_per_sec = samples_per_sec * job.flops_per_sample
+            record.update(flops_per_sample=job.flops_per_sample, tflops_per_process=flops_per_sec / self.ctx.world_size / 1e12)
+            peak = peak_flops(job.args, self.ctx)
+            if peak:  # model FLOPs utilisation: over all GPUs' peak
+                record["mfu"] = flops_per_sec / peak
         return record
+
+
+def log_start(job: Job, lr: float, flops_not_counted: str) -> None:
+    """Rank 0: how the run is set up, in two lines (and why FLOPs were not counted, if they were not)."""
+    ctx, args, eval_set = job.ctx, job.args, job.eval_data.dataset if job.eval_data else ()
+    log(ctx, f"{PROG}: {ctx.launcher}, world size {ctx.world_size} ({ctx.local_world_size}/node), "
+             f"{ctx.backend if ctx.distributed else 'no process group'}, {ctx.device}, "
+             f"{torch.get_num_threads()} thread(s)/process")
+    log(ctx, f"global batch {job.global_batch} = {args.batch_size}/process x {ctx.world_size} x {args.grad_accum} "
+             f"accum, lr {lr:g}, {len(job.sampler.dataset):,} train / {len(eval_set):,} eval samples, "
+             f"{job.steps_per_epoch} steps/epoch")
+    if flops_not_counted:
+        log(ctx, f"FLOPs not counted: {flops_not_counted}; no FLOP/s or MFU is logged")
 
 
 def every(step: int, interval: int) -> bool:
@@ -1312,14 +1415,16 @@ def write_metrics(record: dict, args, ctx: DistContext) -> None:
     """Rank 0: one aligned line per epoch, and the record in metrics.jsonl."""
     if not ctx.is_main:
         return
-    evals = "".join(f"  {k} {v:.4f}" for k, v in record.items() if k.startswith("eval_") and k != "eval_samples"
-                    and v is not None)
+    evals = "".join(f"  {k} {v:.4f}" for k, v in record.items() if k.startswith("eval_") and v is not None
+                    and k not in ("eval_samples", f"eval_{COUNT_UNIT}"))
+    counted = f"  {record[f'{COUNT_UNIT}_per_sec']:>9,.0f} {COUNT_UNIT}/s" if COUNT_UNIT != "samples" else ""
     mfu = f"  MFU {100 * record['mfu']:5.2f}%" if "mfu" in record else ""
     log(ctx, f"epoch {record['epoch']:>3}/{args.epochs}  train_loss {record['train_loss']:.4f}{evals}  "
-             f"{record['samples_per_sec']:>9,.0f} samples/s{mfu}  world {record['world_size']}  "
+             f"{record['samples_per_sec']:>9,.0f} samples/s{counted}{mfu}  world {record['world_size']}  "
              f"batch {record['effective_batch_size']}  {record['epoch_time_s']:6.2f} s")
+    strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
     with open(os.path.join(args.out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json.dumps(strict, allow_nan=False) + "\n")  # strict JSON: jq and JavaScript read it
 
 
 def sum_over_ranks(values: dict[str, float], ctx: DistContext) -> dict[str, float]:
@@ -1340,10 +1445,65 @@ def memory_stats(ctx: DistContext) -> dict:
     return stats
 
 
-def flops_per_sample(model: nn.Module) -> float:
-    """Training FLOPs per sample, for the MFU figure: 6 per parameter (2 forward, 4 backward). Exact
-    for the matmuls of dense layers; replace it for convolutions or attention."""
-    return 6.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+def count_flops(model: nn.Module, data: Loader, args, ctx: DistContext) -> tuple[float | None, str]:
+    """Training FLOPs (forward + backward) per sample, measured by torch's FlopCounterMode on the first
+    micro-batch of the training set, before training. Nothing of the run changes: no RNG draw, no
+    BatchNorm statistic, no gradient is left behind. (None, why) where the counter cannot count."""
+    with preserved_state(model, ctx):
+        batch, samples = data.first_batch()
+        with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter, UncountedOps(counter) as missed:
+            try:
+                with autocast(args, ctx):
+                    loss_sum = call_compute_loss(model, batch, ctx)[0]
+                loss_sum.backward()
+            except Exception as exc:
+                if flop_counter.__file__ not in (frame.filename for frame in traceback.extract_tb(exc.__traceback__)):
+                    raise  # the model's own error, which training would raise too
+                return None, f"torch's FlopCounterMode failed ({type(exc).__name__}: {first_line(exc)[:100]})"
+    if missed.ops or not counter.get_total_flops():
+        return None, f"torch's FlopCounterMode has no formula for {', '.join(sorted(missed.ops)) or 'any op'} of this model"
+    return counter.get_total_flops() / samples, ""
+
+
+class UncountedOps(TorchDispatchMode):
+    """Notes the ops that FlopCounterMode counted nothing for but that do count: custom kernels (not
+    aten), and aten's matmuls, convolutions, attention and RNNs that have no formula there."""
+
+    HEAVY = re.compile(r"mm|conv|attention|einsum|linear|matmul|rnn|lstm|gru")
+
+    def __init__(self, counter):
+        super().__init__()
+        self.counter, self.ops = counter, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.counter.get_total_flops()
+        out = func(*args, **(kwargs or {}))
+        if self.counter.get_total_flops() == before and (
+                func.namespace not in ("aten", "prim", "prims", "c10d", "_c10d_functional")
+                or self.HEAVY.search(func.__name__)):
+            self.ops.add(f"{func.namespace}.{func.__name__}")
+        return out
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module, ctx: DistContext):
+    """Run a forward and backward that leave no trace: every RNG state, the buffers (BatchNorm's
+    statistics) and the gradients are as they were before."""
+    rng, buffers = gather_rng_states(DistContext(device=ctx.device))[0], [b.clone() for b in model.buffers()]
+    try:
+        yield
+    finally:
+        restore_rng(rng, ctx)
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), buffers):
+                b.copy_(saved)
+        model.zero_grad(set_to_none=True)
+
+
+# FlopCounterMode's formulas for attention cover the CUDA kernels; the CPU's fused kernel is the same count.
+CPU_ATTENTION_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.sdpa_flop.__wrapped__,
+                       torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                           flop_counter.sdpa_backward_flop.__wrapped__}
 
 
 # Dense peak TFLOP/s of one GPU (16-bit tensor cores, fp32) from the datasheets. Longest name first,
@@ -1376,21 +1536,21 @@ def peak_flops(args, ctx: DistContext) -> float | None:
 
 
 def call_compute_loss(model: nn.Module, batch, ctx: DistContext) -> tuple:
-    """compute_loss(model, batch) as (loss_sum, num_samples, metric_sums), checked on the way."""
+    """compute_loss(model, batch) as (loss_sum, count, metric_sums), checked on the way."""
     out = compute_loss(model, batch)
     if not (isinstance(out, tuple) and len(out) in (2, 3) and torch.is_tensor(out[0]) and out[0].dim() == 0
+            and (isinstance(out[1], (int, float)) or torch.is_tensor(out[1]) and out[1].numel() == 1)
             and (len(out) == 2 or isinstance(out[2], dict))):
         shape = tuple(out[0].shape) if isinstance(out, tuple) and out and torch.is_tensor(out[0]) else None
-        fail(f"compute_loss must return (loss_sum, num_samples) or (loss_sum, num_samples, {{name: sum}}), "
-             f"loss_sum a 0-dim tensor; it returned {type(out).__name__}"
+        fail(f"compute_loss must return (loss_sum, count) or (loss_sum, count, {{name: sum}}): loss_sum a 0-dim "
+             f"tensor, count a number or a 0-dim tensor; it returned {type(out).__name__}"
              + (f" with a loss of shape {shape}: sum the per-sample losses" if shape else ""), ctx=ctx)
     return out[0], out[1], out[2] if len(out) == 3 else {}
 
 
 def check_every_parameter_got_a_gradient(job: Job) -> None:
     """Trap: a parameter that got no gradient in a step leaves DDP waiting for it; it fails at the next
-    step on every rank, with a hundred lines each. Checked after the first backward, in one process too."""
-    job.gradients_checked = True
+    step on every rank, with a hundred lines each. Checked in warm_up's backward, in one process too."""
     if job.args.find_unused_parameters:
         return
     missing = [name for name, p in job.model.named_parameters() if p.requires_grad and p.grad is None]
@@ -1404,12 +1564,36 @@ def check_every_parameter_got_a_gradient(job: Job) -> None:
              "some steps, or set requires_grad=False on those you freeze", ctx=job.ctx)
 
 
-def clip_gradients(job: Job) -> torch.Tensor | None:
-    """--clip-grad-norm: clip the all-reduced gradient once per optimizer step; returns its norm."""
-    if not job.args.clip_grad_norm:
-        return None
-    job.scaler.unscale_(job.optimizer)  # Trap: clip the true gradients, not the fp16 loss-scaled ones
-    return torch.nn.utils.clip_grad_norm_(job.model.parameters(), job.args.clip_grad_norm)
+def mean_gradients(job: Job, count: torch.Tensor) -> torch.Tensor:
+    """Make the step's gradient the mean over its global count, once per step, then --clip-grad-norm
+    it; returns its norm before clipping. Backward saw the sums / typical_count (a constant that keeps
+    them in fp16's range), and DDP averaged them over ranks: x world size x typical_count / count."""
+    job.scaler.unscale_(job.optimizer)  # Trap: clip and log the true gradients, not fp16's loss-scaled ones
+    params = [p for p in job.model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    scale = torch.where(count > 0, job.ctx.world_size * job.typical_count / count, 0.0)  # DDP: sums -> mean
+    torch._foreach_mul_(grads, scale)
+    norm = torch.nn.utils.get_total_norm(grads)
+    if job.args.clip_grad_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, job.args.clip_grad_norm, norm)
+    return norm
+
+
+def broadcast_buffers(model: nn.Module, ctx: DistContext) -> None:
+    """DDP: give every rank rank 0's buffers (BatchNorm statistics), so that evaluation on every
+    rank, and model.pt, describe one model. (DDP itself does this at the next step's start.)"""
+    if ctx.distributed:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+def sync_batchnorm(model: nn.Module, args, ctx: DistContext) -> nn.Module:
+    """--sync-bn: BatchNorm statistics over the global batch instead of each rank's micro-batch."""
+    if not args.sync_bn:
+        return model
+    if ctx.device.type != "cuda":
+        fail("--sync-bn needs CUDA: torch's SyncBatchNorm has no CPU implementation", ctx=ctx)
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
 def autocast(args, ctx: DistContext):
