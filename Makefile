@@ -23,7 +23,7 @@ NPROC_PER_NODE ?=
 # How many GPUs this machine has, for train-Ngpu.
 gpus = $(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 
-.PHONY: help setup train train-cpu train-multinode test test-fast bench clean
+.PHONY: help setup train train-cpu train-multinode test test-fast test-gpu bench clean
 
 help:  ## these targets, one line each
 	@awk -F':.*## ' '/^[a-z%-]+:.*## / {sub("%", "N", $$1); printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -58,6 +58,13 @@ test: setup  ## the whole test suite: real processes, two tests at a time (pytes
 
 test-fast: setup  ## the fast tier: under a minute
 	$(PY) -m pytest -q -m fast test_ddp_train.py
+
+test-gpu: setup  ## on a GPU machine: the GPU tests, then a short run in every GPU mode, as a table
+	@$(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null || \
+	  { echo "make test-gpu: no CUDA device here; nothing to run"; exit 0; }; \
+	$(PY) -m pytest -q -m gpu test_ddp_train.py; tests=$$?; \
+	$(PY) bench_ddp_train.py --gpu-modes; modes=$$?; \
+	exit $$(( tests || modes ))
 
 bench: setup  ## side-by-side throughput, start-up and memory; ARGS=--quick for a fast check
 	$(PY) bench_ddp_train.py $(ARGS)

@@ -26,7 +26,10 @@ rounds; then the ratios, each taken within a round.
     python bench_ddp_train.py --device cuda   # on a GPU: 1, 3, 5-8 on the GPU, 2 and 4 need 2 GPUs
     python bench_ddp_train.py --workers 2     # 5-8 with 2 DataLoader workers each (default: 0)
 
-The baselines (3, 4, 6) are functions in this file; the bench runs itself with --baseline to start them.
+The baselines (3, 4, 6, 10, 12) are functions in this file; the bench runs itself with --baseline to
+start them.
+
+    python bench_ddp_train.py --gpu-modes     # make test-gpu's table: a short run in every GPU mode
 """
 
 from __future__ import annotations
@@ -304,6 +307,75 @@ def run_once(opts, key, nproc, program, workdir: Path) -> dict:
             "first_step_s": epochs[0]["first_step_at"] - launched, "peak_rss_mb": max(e["peak_rss_mb"] for e in epochs)}
 
 
+# ---------------------------------------------------------------------------
+# Every GPU mode once (make test-gpu): a short run each, its exit code and figures in one table
+# ---------------------------------------------------------------------------
+
+
+def gpu_modes(opts) -> int:
+    """A short training in every GPU mode; a table of mode, exit code, samples/s, MFU and peak GPU
+    memory. Returns 1 if any mode failed."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_ddp_train.py --gpu-modes: no CUDA device here; nothing to run")
+        return 0
+    gpus = torch.cuda.device_count()
+    # 64 per GPU and step, plus one sample: an uneven last step (rank 0 alone gets the extra sample).
+    uneven = str(64 * gpus * 40 + 1)
+    short = ["--epochs", "2", "--num-samples", "32768", "--eval-samples", "1024"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
+    modes = [("1 GPU", [sys.executable, str(HERE / "ddp_train.py"), *short]),
+             (f"torchrun, {gpus} GPU(s)", [*torchrun, str(HERE / "ddp_train.py"), *short]),
+             ("--amp bf16", [*torchrun, str(HERE / "ddp_train.py"), *short, "--amp", "bf16"]),
+             ("--amp fp16", [*torchrun, str(HERE / "ddp_train.py"), *short, "--amp", "fp16"]),
+             ("--compile", [*torchrun, str(HERE / "ddp_train.py"), *short, "--compile"]),
+             ("--sync-bn, uneven last step", [*torchrun, str(HERE / "ddp_train.py"), "--epochs", "2", "--num-samples",
+                                              uneven, "--batch-norm", "--sync-bn"]),
+             ("--sync-bn --compile", [*torchrun, str(HERE / "ddp_train.py"), "--epochs", "2", "--num-samples", uneven,
+                                      "--batch-norm", "--sync-bn", "--compile"]),
+             ("--grad-accum 2", [*torchrun, str(HERE / "ddp_train.py"), *short, "--grad-accum", "2"]),
+             ("digits, --workers 2", [*torchrun, str(HERE / "examples/digits.py"), "--epochs", "2", "--workers", "2"]),
+             ("tinylm, --amp bf16", [*torchrun, str(HERE / "examples/tinylm.py"), "--epochs", "1", "--batch-size", "16",
+                                     "--amp", "bf16"])]
+    failed = 0
+    print(f"{torch.cuda.get_device_name()} x {gpus}, torch {torch.__version__}\n")
+    print(f"{'mode':<30} {'exit':>5} {'samples/s':>12} {'MFU':>7} {'peak GPU mem':>13}")
+    with tempfile.TemporaryDirectory(prefix="gpu_modes-") as workdir:
+        for label, cmd in [*modes, ("SIGTERM, then resume", None)]:
+            out = Path(workdir) / label.replace(" ", "_").replace(",", "").replace("-", "")
+            code = resume_mode(torchrun, short, out) if cmd is None else run_mode([*cmd, "--out-dir", str(out)], opts)
+            failed += code != 0
+            last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1:] \
+                if (out / "metrics.jsonl").exists() else [{}]
+            m = last[0]
+            mfu = f"{100 * m['mfu']:.1f}%" if "mfu" in m else "-"
+            print(f"{label:<30} {code:>5} {m.get('samples_per_sec', 0):>12,.0f} {mfu:>7} "
+                  f"{m.get('peak_gpu_mem_mb', 0):>10,.0f} MB", flush=True)
+    return 1 if failed else 0
+
+
+def run_mode(cmd, opts) -> int:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, timeout=opts.timeout)
+    if proc.returncode:
+        print(proc.stderr[-1500:], file=sys.stderr)
+    return proc.returncode
+
+
+def resume_mode(torchrun, short, out: Path) -> int:
+    """torchrun stopped by SIGTERM after its first checkpoint, then the same command again: it resumes."""
+    cmd = [*torchrun, str(HERE / "ddp_train.py"), *short, "--save-every", "20", "--out-dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoint.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.terminate()
+    proc.wait(60)
+    again = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=600)
+    return again.returncode if "resumed from" in again.stdout else (again.returncode or 1)
+
+
 def rate_of(key: str) -> str:
     """What a configuration's throughput is measured in: tokens for the language model, else samples."""
     return "tokens_per_sec" if key.startswith("lm") else "samples_per_sec"
@@ -327,12 +399,15 @@ def main(argv=None):
     p.add_argument("--lm-samples", type=int, default=400, help="examples/tinylm.py's training set (functions)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--timeout", type=float, default=600, help="seconds for any one run")
+    p.add_argument("--gpu-modes", action="store_true", help="make test-gpu: a short run in every GPU mode, as a table")
     p.add_argument("--baseline", choices=tuple(BASELINES), help=argparse.SUPPRESS)
     p.add_argument("--metrics", help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
     if opts.baseline:
         sys.path.insert(0, str(HERE))
         return BASELINES[opts.baseline](opts)
+    if opts.gpu_modes:
+        return gpu_modes(opts)
     if opts.quick:
         opts.rounds, opts.epochs, opts.num_samples, opts.lm_samples = 1, 2, 8192, 64
 

@@ -407,6 +407,7 @@ if __name__ == "__main__":
     # to itself, its process group or its parent (STOP_TARGET); STOP_AGAIN_AFTER seconds later, again.
     # First launches only (not after a torchrun restart). RECORD_RNG=path: each rank writes its
     # model stream's first draw to path.RANK. POISON_AT=N: from the Nth training forward on, nan inputs.
+    # LATE_RANK=R: rank R starts its first training step LATE_SECONDS late.
     # HOLD_AT=N: rank 0 touches HOLD_FILE at its Nth training forward and waits there (60 s at most)
     # for a SIGTERM from outside, so that the stop surely comes mid-run; not in a requeued SLURM job.
     "stopper.py": """
@@ -438,6 +439,8 @@ def tripwire(module, inputs):
         torch.save(torch.rand(8), f"{os.environ['RECORD_RNG']}.{rank}")
     if calls >= int(os.environ.get("POISON_AT", 1 << 30)):  # a diverging run: the inputs turn to nan
         return (inputs[0] * float("nan"),)
+    if calls == 1 and rank == int(os.environ.get("LATE_RANK", -1)):  # a slow first step (a cold compile)
+        time.sleep(float(os.environ["LATE_SECONDS"]))
     if calls == int(os.environ.get("HOLD_AT", 0)) and rank == 0 and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
         hold_for_sigterm()
     if (calls != int(os.environ.get("STOP_AT", 0)) or rank != int(os.environ.get("STOP_RANK", 0))
@@ -727,6 +730,120 @@ class RowLSTM(nn.Module):
 
 
 ddp_train.build_model = RowLSTM
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # Gradients that overflow: every OVERFLOW_EVERY-th backward, the head's weight gradient turns inf.
+    "overflow.py": """
+import os
+import sys
+import ddp_train
+import digits
+
+backwards = 0
+
+
+def poison(grad):
+    global backwards
+    backwards += 1
+    return grad * float("inf") if backwards % int(os.environ["OVERFLOW_EVERY"]) == 0 else grad
+
+
+def build_model(args):
+    model = digits.build_model(args)
+    model[-1].weight.register_hook(poison)
+    return model
+
+
+ddp_train.build_model = build_model
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # Records every torch.load call (its map_location and mmap) in LOAD_LOG.RANK.
+    "spy_load.py": """
+import os
+import sys
+import torch
+import ddp_train
+
+load = torch.load
+
+
+def recording_load(path, *args, **kwargs):
+    if not isinstance(path, (str, os.PathLike)):  # (torch's own loads from memory: all_gather_object)
+        return load(path, *args, **kwargs)
+    with open(f"{os.environ['LOAD_LOG']}.{os.environ.get('RANK', 0)}", "a") as f:
+        f.write(f"{os.path.basename(str(path))} map_location={kwargs.get('map_location')} mmap={kwargs.get('mmap')}\\n")
+    return load(path, *args, **kwargs)
+
+
+torch.load = recording_load
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # A model that runs its layers in the reverse of the order it registers them, with over 1 MiB of
+    # parameters (DDP's first bucket holds 1 MiB); at the end, DDP's bucket layout goes to BUCKETS.RANK.
+    "reversed.py": """
+import json
+import os
+import sys
+import torch.nn as nn
+import ddp_train
+
+wrapped = {}
+
+
+class Reversed(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        sizes = [512, 512, 512, 512, ddp_train.IN_FEATURES]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[1:], sizes))  # registered last-first
+        self.head = nn.Linear(512, ddp_train.NUM_CLASSES)
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = layer(x).relu()
+        return self.head(x)
+
+
+def wrap_model(model, args, ctx, wrap=ddp_train.wrap_model):
+    wrapped["ddp"] = wrap(model, args, ctx)
+    return wrapped["ddp"]
+
+
+def save_model(model, progress, args, ctx, save=ddp_train.save_model):
+    data = wrapped["ddp"]._get_ddp_logging_data()
+    with open(f"{os.environ['BUCKETS']}.{ctx.rank}", "w") as f:
+        json.dump({k: v for k, v in data.items() if "bucket" in k}, f)
+    save(model, progress, args, ctx)
+
+
+ddp_train.build_model, ddp_train.wrap_model, ddp_train.save_model = Reversed, wrap_model, save_model
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # digits.py with a slow Dataset: SLOW_MS milliseconds per sample on the ranks in SLOW_RANKS ("0,1").
+    "slow.py": """
+import os
+import sys
+import time
+import ddp_train
+import digits
+
+
+class Slow(digits.Digits):
+    def __getitem__(self, i):
+        if os.environ.get("RANK", "0") in os.environ.get("SLOW_RANKS", "0").split(","):
+            time.sleep(float(os.environ.get("SLOW_MS", 0)) / 1000)
+        return super().__getitem__(i)
+
+
+def build_datasets(args):
+    train_set, eval_set = digits.build_datasets(args)
+    return Slow(train_set.images, train_set.labels, augment=True), eval_set
+
+
+ddp_train.build_datasets = build_datasets
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,

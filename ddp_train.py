@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import itertools
 import json
 import math
 import os
@@ -44,9 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode  # (FlopCounterMode's own base)
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset, default_collate
-from torch.utils.flop_counter import FlopCounterMode
 
 PROG = "ddp_train.py"
 IN_FEATURES, NUM_CLASSES, HIDDEN = 32, 10, 256  # the default task (see build_datasets)
@@ -120,8 +119,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("distributed")
     g.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="auto: nccl with CUDA, else gloo")
-    g.add_argument("--timeout", type=above(0.0), default=300.0,
-                   help="seconds to wait for peers at start and in any collective before failing")
+    g.add_argument("--timeout", type=above(0.0), default=1800.0,
+                   help="seconds to wait for peers at start and in any collective before failing. Generous: with "
+                        "--compile one rank's cold compile can take many minutes longer than another's, and a "
+                        "shorter wait (NCCL's own default is 600) kills a healthy job. A peer that dies is "
+                        "noticed at once; only one cut off from the network is waited for this long")
     g = p.add_argument_group("the default task")
     g.add_argument("--num-samples", type=at_least(1), default=32768, help="training samples")
     g.add_argument("--eval-samples", type=at_least(0), default=4096, help="evaluation samples (0: no evaluation)")
@@ -162,11 +164,11 @@ def init_distributed(args) -> DistContext:
     env = os.environ
     world, rank = int(env.get("WORLD_SIZE", 1)), int(env.get("RANK", 0))
     local_rank, local_world = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world))
-    share_cores(local_world)
     ctx = DistContext(rank, local_rank, world, local_world, launcher=launcher)
+    share_cores(ctx)
     backend = pick_backend(args, ctx)  # nccl with CUDA, else gloo
     if torch.cuda.is_available():
-        ctx.device = gpu_of(local_rank)  # DDP: one GPU per process, picked by LOCAL_RANK ...
+        ctx.device = gpu_of(ctx)  # DDP: one GPU per process, picked by LOCAL_RANK ...
         torch.cuda.set_device(ctx.device)  # ... and made current before init: nothing lands on GPU 0
     if world == 1:
         return ctx  # one process: no process group, and every collective below is skipped
@@ -227,6 +229,7 @@ class Job:
     global_batch: int
     steps_per_epoch: int
     flops_per_sample: float | None  # training FLOPs (forward + backward), counted on the first batch
+    stop: StopSignal  # the ranks' agreement at each step: whether to stop
     typical_count: float = 1.0  # the first batch's count: the scale of the sums that backward sees
 
 
@@ -242,7 +245,8 @@ def train(args, ctx: DistContext, stop: StopSignal) -> int:
     global_batch = args.batch_size * ctx.world_size * args.grad_accum  # DDP: the batch of one optimizer step
     lr = args.lr * global_batch / args.scale_lr if args.scale_lr else args.lr
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # fused: one kernel for all parameters
-    steps_per_epoch = math.ceil(len(train_set) / global_batch)
+    steps_per_epoch = count_steps(len(train_set), global_batch, args, ctx)  # --drop-last: full steps only
+    check_batchnorm_batch_sizes(model, len(train_set), global_batch, steps_per_epoch, args, ctx)
     scheduler = build_scheduler(optimizer, args.warmup_steps, args.epochs * steps_per_epoch)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")  # fp16 only: loss scaling
 
@@ -259,7 +263,7 @@ def train(args, ctx: DistContext, stop: StopSignal) -> int:
               # DDP: each rank reads its own share of each epoch's shuffle; one process reads it all.
               DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed),
               train_data, Loader(eval_set, args.batch_size, ctx, args.workers, args.seed) if eval_set else None,
-              global_batch, steps_per_epoch, flops)
+              global_batch, steps_per_epoch, flops, stop)
     warm_up(job)  # the first batch through DDP once, untrained: all-reduce buckets in the real order
     log_start(job, lr, why_not)
     with explain_unused_parameters(model, ctx):
@@ -329,11 +333,11 @@ def train_step(job: Job, data, n_micro: int, stats: EpochStats) -> None:
                 loss_sum, n, _ = call_compute_loss(job.forward, next(data), ctx)
             count = count + n  # what this rank's losses sum over in this step: samples, tokens
             if last:
-                step_count = AsyncSum(count, ctx)  # DDP: every rank's count, summed while backward runs
+                step_count = AsyncSum(count, ctx, job.stop)  # DDP: every rank's count, summed during backward
             job.scaler.scale(loss_sum / job.typical_count).backward()  # the sum: / the global count below
         stats.add(loss_sum, n)
     if n_micro == 0:  # DDP: none of the step's samples are here, but every rank joins both all-reduces
-        step_count = AsyncSum(0, ctx)
+        step_count = AsyncSum(0, ctx, job.stop)
         zero_gradient_backward(job.ddp_model)
     stats.end_step(mean_gradients(job, step_count.wait()))  # DDP: sums / the global count, then clipped
     job.scaler.step(job.optimizer)
@@ -419,7 +423,10 @@ def add_machinery_arguments(p: argparse.ArgumentParser) -> None:
                    help="--lr was tuned for a global batch of REF_BATCH: use lr x global batch / REF_BATCH")
     g.add_argument("--find-unused-parameters", action="store_true",
                    help="let parameters sit out some steps (DDP's find_unused_parameters; slower)")
-    g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm: statistics over the global batch (CUDA)")
+    g.add_argument("--sync-bn", action="store_true",
+                   help="SyncBatchNorm: statistics over the global batch (CUDA); implies --drop-last")
+    g.add_argument("--drop-last", action="store_true",
+                   help="drop each epoch's last, partial global batch (the same samples whatever the world size)")
     g = p.add_argument_group("checkpoints and logging")
     g.add_argument("--save-every", type=at_least(0), default=0, help="also checkpoint every N steps (0: epoch ends)")
     g.add_argument("--log-every", type=at_least(0), default=0, help="also log the train loss every N steps")
@@ -471,6 +478,7 @@ class Checkpoints:
         # Note the global batch, not its factors: 2 processes x 32 continue exactly as 1 x 64.
         self.config = {"seed": args.seed, "lr": lr, "global_batch_size": global_batch,
                        "warmup_steps": args.warmup_steps, "amp": args.amp, "clip_grad_norm": args.clip_grad_norm,
+                       "drop_last": args.drop_last,
                        "grad_compression": args.grad_compression, "init_from": args.init_from,
                        "train_samples": len(train_set), "eval_samples": len(eval_set) if eval_set else 0}
         if ctx.is_main:
@@ -511,6 +519,7 @@ class Checkpoints:
         return progress
 
     def check_same_run(self, saved: dict, path: str) -> None:
+        saved = {"drop_last": False, **saved}  # (checkpoints from before --drop-last)
         differences = [f"{key} {saved.get(key)} -> {value}" for key, value in self.config.items()
                        if saved.get(key) != value]
         if differences:
@@ -588,8 +597,7 @@ def load_checkpoint(args, ctx: DistContext) -> tuple[dict, str] | None:
     problems = []
     for path in candidates:
         try:
-            # Trap: without map_location every rank would load the tensors onto the GPU that saved them.
-            ckpt = torch.load(path, map_location=ctx.device, weights_only=True)
+            ckpt = load_to_cpu(path)
         except Exception as exc:
             problems.append((path, f"{path} is unreadable ({first_line(exc)[:120]})"))
             continue
@@ -610,10 +618,19 @@ def load_checkpoint(args, ctx: DistContext) -> tuple[dict, str] | None:
     return None
 
 
+def load_to_cpu(path: str) -> dict:
+    """A checkpoint's tensors, memory-mapped from the file; load_state_dict then copies them into place.
+    The ranks of a node share the mapped pages, so the node reads the file once, and no second copy
+    of the model and optimizer state ever sits on a GPU."""
+    # Trap: map_location. Without it every rank loads onto the GPU that saved; with map_location=cuda
+    # each GPU holds the whole checkpoint beside the model until load_state_dict is done: OOM.
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+
 def init_weights(model: nn.Module, path: str, ctx: DistContext) -> None:
     """--init-from: a new run starts from saved weights (a model.pt, or a checkpoint's model)."""
     try:
-        saved = torch.load(path, map_location=ctx.device, weights_only=True)
+        saved = load_to_cpu(path)
     except Exception as exc:
         fail(f"--init-from {path}: cannot read it ({first_line(exc)[:120]})", ctx=ctx)
     if isinstance(saved, dict) and saved.get("format") == CHECKPOINT_FORMAT:
@@ -713,14 +730,16 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 class StopSignal:
     """Remembers SIGTERM and SIGUSR1 (what torchrun, Kubernetes and SLURM's --signal send) and Ctrl-C.
     The handler runs no collective (trap: a collective inside a handler deadlocks); instead every rank
-    calls should_stop() at every optimizer step, and it returns the same answer on all of them. The
-    agreement lags one step: each call starts an all-reduce (MAX) of this rank's flag and reads the
-    one started a step earlier, so it never waits on the network. A second Ctrl-C, a second or more
-    after the first, stops at once, without saving."""
+    calls should_stop() at every optimizer step, and it returns the same answer on all of them: the
+    sum of every rank's flags(). On the CPU the flags ride on the step's count all-reduce (AsyncSum),
+    and the answer is this step's. On GPUs that all-reduce stays on the device, so the flags go over
+    gloo, and the agreement lags one step: each call starts an all-reduce of this rank's flags and
+    reads the one started a step earlier, so it never waits on the network or the GPU. A second
+    Ctrl-C, a second or more after the first, stops at once, without saving."""
 
     def __init__(self, ctx: DistContext):
         self.ctx, self.received, self.received_at, self.pending = ctx, 0, 0.0, None
-        self.flag = torch.zeros(1)
+        self.flag, self.agreed = torch.zeros(1), None
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handler)
 
@@ -731,15 +750,26 @@ class StopSignal:
         if not self.received:
             self.received, self.received_at = signum, time.monotonic()
 
+    def flags(self) -> list[float]:
+        """This rank's say: whether it got a stop signal."""
+        return [float(self.received != 0)]
+
+    def agree(self, totals: list[float]) -> None:
+        """Every rank's flags, summed in this step (the CPU path: from AsyncSum)."""
+        self.agreed = totals
+
     def should_stop(self) -> bool:
         if not self.ctx.distributed:
             return self.received != 0
+        if self.agreed is not None:
+            stop, self.agreed = self.agreed[0] > 0, None
+            return stop
         stop = False
         if self.pending is not None:
             self.pending.wait()
             stop = self.flag.item() > 0
-        self.flag = torch.tensor([float(self.received != 0)])
-        self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.ctx.control_group, async_op=True)
+        self.flag = torch.tensor(self.flags())
+        self.pending = dist.all_reduce(self.flag, group=self.ctx.control_group, async_op=True)  # SUM
         return stop
 
     def close(self) -> None:
@@ -800,9 +830,10 @@ class Loader:
         self.dataset, self.batch_size, self.ctx = dataset, batch_size, ctx
         self.samples, self.plan, self.loader = SeededSamples(dataset, seed), _Plan(), None
         on_gpu = ctx.device.type == "cuda"
-        if workers < 0:
-            workers = min(4, max(1, cores() // ctx.local_world_size - 1)) if on_gpu else 0
-        if not self.in_memory and workers > 0:
+        if self.in_memory:  # no workers needed: a batch is one index gather
+            return
+        workers = loader_workers(workers, on_gpu, process_cpus(ctx), holds_tensors_on(dataset, "cuda"), dataset, ctx)
+        if workers > 0:
             # Workers started once, not every epoch (persistent); a private generator for the
             # loader's base seed, because the global one belongs to the model (dropout).
             self.loader = DataLoader(self.samples, batch_sampler=self.plan, num_workers=workers,
@@ -824,9 +855,10 @@ class Loader:
         if self.in_memory:
             # In-memory tensors: gather a whole batch with one index op instead of collating samples.
             tensors = self.dataset.tensors
-            for rows in micro_batches:
-                rows = torch.as_tensor(rows, dtype=torch.long, device=tensors[0].device)
-                yield tuple(t[rows].to(self.ctx.device, non_blocking=True) for t in tensors)
+            flat = torch.as_tensor(list(itertools.chain(*micro_batches)), dtype=torch.long, device=tensors[0].device)
+            for rows in flat.split([len(rows) for rows in micro_batches]):
+                yield tuple(t[rows] if self.ctx.device.type == "cpu" else t[rows].to(self.ctx.device, non_blocking=True)
+                            for t in tensors)
             return
         self.plan.batches = [[(epoch, i) for i in rows] for rows in micro_batches]
         loaded = iter(self.loader) if self.loader else (load_here(self.samples, b) for b in self.plan.batches)
@@ -844,6 +876,33 @@ class Loader:
             raise kind(message)
         except TypeError:  # an exception class that wants other arguments
             raise RuntimeError(message) from None
+
+
+def loader_workers(requested: int, on_gpu: bool, cpus: int, holds_cuda: bool, dataset, ctx) -> int:
+    """--workers, or by default: none on the CPU (workers would take the cores training needs), a few
+    on a GPU (one core each, one left for training), and none for a Dataset that keeps CUDA tensors
+    itself (a Subset of a CUDA TensorDataset): forked workers cannot use CUDA."""
+    if holds_cuda and requested > 0:
+        fail(f"--workers {requested}: {type(dataset).__name__} holds CUDA tensors, which forked DataLoader workers "
+             "cannot use (\"Cannot re-initialize CUDA in forked subprocess\"); pass --workers 0", ctx=ctx)
+    if requested >= 0:
+        return requested
+    return min(4, max(1, cpus - 1)) if on_gpu and not holds_cuda else 0
+
+
+def holds_tensors_on(obj, device_type: str, depth: int = 3) -> bool:
+    """Whether a Dataset keeps tensors on that device: in its attributes, a few levels deep."""
+    if torch.is_tensor(obj):
+        return obj.device.type == device_type
+    if depth == 0 or isinstance(obj, (str, bytes)):
+        return False
+    if isinstance(obj, (list, tuple)):
+        children = obj[:8]
+    elif isinstance(obj, dict):
+        children = list(obj.values())[:8]
+    else:
+        children = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+    return any(holds_tensors_on(child, device_type, depth - 1) for child in children)
 
 
 class _Plan:
@@ -944,22 +1003,65 @@ def my_share(sampler: DistributedSampler, ctx: DistContext) -> list[int]:
 
 
 class AsyncSum:
-    """DDP: a number (an int, or a 0-dim tensor on the device) summed over all ranks by an all-reduce
-    that runs in the background; wait() returns the sum, a float64 tensor on the device."""
+    """DDP: a count (an int, or a 0-dim tensor) summed over all ranks by an all-reduce that runs in the
+    background; wait() returns the sum: a float, or on a GPU a float64 tensor there (no host sync).
+    On the CPU the stop agreement's flags ride along in the same all-reduce: one collective a step."""
 
-    def __init__(self, value, ctx: DistContext):
-        self.total = torch.as_tensor(value, dtype=torch.float64, device=ctx.device).reshape(())
-        self.work = dist.all_reduce(self.total, async_op=True) if ctx.distributed else None  # SUM
+    def __init__(self, value, ctx: DistContext, stop: StopSignal):
+        self.total, self.work, self.stop = value, None, None
+        if not ctx.distributed:
+            return
+        if ctx.device.type == "cpu":
+            self.stop = stop
+            self.total = torch.tensor([float(value), *stop.flags()], dtype=torch.float64)
+        else:
+            self.total = torch.as_tensor(value, dtype=torch.float64, device=ctx.device).reshape(1)
+        self.work = dist.all_reduce(self.total, async_op=True)  # SUM
 
-    def wait(self) -> torch.Tensor:
+    def wait(self):
         if self.work is not None:
             self.work.wait()
-        return self.total
+        if self.stop is not None:
+            self.stop.agree(self.total[1:].tolist())
+        total = self.total[0] if torch.is_tensor(self.total) and self.total.dim() else self.total
+        return float(total) if not torch.is_tensor(total) or total.device.type == "cpu" else total
 
 
 def whole(x: float):
     """A count as JSON shows it best: an int when it is whole (tokens), else the float (weights)."""
     return int(x) if float(x).is_integer() else x
+
+
+def count_steps(num_samples: int, global_batch: int, args, ctx: DistContext) -> int:
+    """Optimizer steps per epoch: the last one short, or with --drop-last (which --sync-bn implies) only
+    full ones. SyncBatchNorm runs collectives of its own in every forward and backward, so every rank
+    must run as many micro-batches as every other in every step: only full steps give them that."""
+    if args.sync_bn and ctx.distributed and not args.drop_last:
+        args.drop_last = True
+        log(ctx, f"--sync-bn: every step is a full global batch, as with --drop-last (the last "
+                 f"{num_samples % global_batch} sample(s) of each epoch sit out), so that every rank runs "
+                 "SyncBatchNorm's collectives alike")
+    if args.drop_last and num_samples < global_batch:
+        fail(f"--drop-last: the {num_samples} training samples do not fill one global batch of {global_batch}", ctx=ctx)
+    return num_samples // global_batch if args.drop_last else math.ceil(num_samples / global_batch)
+
+
+def check_batchnorm_batch_sizes(model: nn.Module, num_samples: int, global_batch: int, steps: int, args,
+                                ctx: DistContext) -> None:
+    """Trap: BatchNorm cannot train on one sample ("Expected more than 1 value per channel"), and the
+    last step of an epoch can leave a rank one. Stop before training, on every rank alike, and say so."""
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return
+    per_rank = global_batch // ctx.world_size
+    for rank in range(ctx.world_size):
+        share = len(range(rank, num_samples, ctx.world_size))  # what DistributedSampler deals this rank
+        for where, n in (("every step", per_rank), ("the last step", min(per_rank, share - (steps - 1) * per_rank))):
+            if 1 in (len(b) for b in split(range(max(0, n)), args.batch_size)):
+                fix = ("raise --batch-size" if where == "every step" else f"pass --drop-last to leave out the last "
+                       f"{num_samples % global_batch} sample(s) of each epoch ({num_samples} samples, global batch "
+                       f"{global_batch}), or change --batch-size")
+                fail(f"BatchNorm cannot train on a micro-batch of one sample, and {where} of each epoch would give "
+                     f"rank {rank} one: {fix}", ctx=ctx)
 
 
 def plan_steps(mine: list[int], job: Job) -> list[list[list[int]]]:
@@ -1176,26 +1278,56 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + re.split(r"[,-]", ranges)[0]
 
 
-def gpu_of(local_rank: int) -> torch.device:
-    """This process's GPU: cuda:LOCAL_RANK, or the only one visible."""
-    visible = torch.cuda.device_count()
-    if visible == 1:  # the launcher gave this process one GPU (srun --gpus-per-task=1): it is ours
-        return torch.device("cuda", 0)
-    if local_rank >= visible:
-        fail(f"LOCAL_RANK is {local_rank} but only {visible} CUDA device(s) are visible "
-             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
-             f"start at most {visible} processes per node")
-    return torch.device("cuda", local_rank)
+def gpu_of(ctx: DistContext) -> torch.device:
+    """This process's GPU, or one line saying why it has none of its own."""
+    choice = choose_gpu(ctx.local_rank, ctx.local_world_size, torch.cuda.device_count(), ctx.launcher,
+                        os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if isinstance(choice, str):
+        fail(choice, ctx=ctx)
+    return torch.device("cuda", choice)
+
+
+def choose_gpu(local_rank: int, local_world_size: int, visible: int, launcher: str,
+               cuda_visible_devices: str | None) -> int | str:
+    """The index of this process's GPU among the visible ones, or why there is none (one line). Every
+    local process must drive a GPU of its own: NCCL refuses two ranks on one ("Duplicate GPU").
+    - As many visible GPUs as local processes, or more: cuda:LOCAL_RANK (torchrun, --spawn, the legacy
+      launcher, srun --gpus-per-node=8 --gpu-bind=none, where every task sees the node's GPUs).
+    - Fewer: only SLURM's per-task binding makes that right (srun --gpus-per-task=1: each task sees
+      just its own, as cuda:0). Anything else, torchrun --nproc_per_node=2 on a one-GPU machine say,
+      would put two processes on one GPU."""
+    if local_rank < visible and local_world_size <= visible:
+        return local_rank
+    if launcher == "slurm" and 0 < visible < local_world_size:
+        return 0
+    return (f"every process on this node needs a GPU of its own, but LOCAL_RANK={local_rank} of LOCAL_WORLD_SIZE="
+            f"{local_world_size} sees {visible} (CUDA_VISIBLE_DEVICES={cuda_visible_devices or '<unset>'}): start at "
+            f"most {visible} process(es) per node, or give each process its own GPU (srun --gpus-per-task=1)")
 
 
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def share_cores(local_world_size: int) -> None:
-    """Share the CPU cores between the processes of one node, unless the user chose (OMP_NUM_THREADS)."""
+def process_cpus(ctx: DistContext) -> int:
+    """The CPU cores this process may use (see cpus_per_process)."""
+    return cpus_per_process(cores(), ctx.local_world_size, ctx.launcher, os.environ.get("SLURM_CPUS_PER_TASK"))
+
+
+def cpus_per_process(affinity: int, local_world_size: int, launcher: str, slurm_cpus_per_task: str | None) -> int:
+    """Divide only what the processes share. A task that srun started with --cpus-per-task has that
+    many cores of its own (SLURM binds them: its affinity already is its share); the workers of
+    torchrun, --spawn or the legacy launcher share the cores their launcher had, as do srun tasks
+    without --cpus-per-task."""
+    if launcher == "slurm" and slurm_cpus_per_task:
+        return max(1, min(affinity, int(slurm_cpus_per_task)))
+    return max(1, affinity // max(1, local_world_size))
+
+
+def share_cores(ctx: DistContext) -> None:
+    """Threads: this process's cores, unless the user chose (OMP_NUM_THREADS)."""
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, cores() // max(1, local_world_size)))
+        torch.set_num_threads(process_cpus(ctx))
 
 
 def spawn_workers(args) -> int:
@@ -1325,10 +1457,11 @@ class EpochStats:
         self.current = loss if self.current is None else self.current + loss
         self.count = self.count + count
 
-    def end_step(self, grad_norm: torch.Tensor) -> None:
+    def end_step(self, grad_norms: torch.Tensor) -> None:
+        """grad_norms: the norms of the step's parameter gradients, or their norm (a vector of one)."""
         self.step_losses.append(self.current if self.current is not None else self.zero)
         self.current = None
-        self.norms.append(grad_norm.detach())
+        self.norms.append(grad_norms)
         if self.first_step_at is None:  # start-up cost, once: when the first step has really finished
             if self.ctx.device.type == "cuda":
                 torch.cuda.synchronize(self.ctx.device)
@@ -1347,7 +1480,7 @@ class EpochStats:
                 dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.ctx.control_group)  # the earliest rank's
             self.diverged(f"the training loss is {loss_sum} at step {-int(step)}")
         if self.norms:  # the norms of the all-reduced gradient: the same on every rank
-            self.fold_norms(torch.stack(self.norms), first)
+            self.fold_norms(torch.linalg.vector_norm(torch.stack(self.norms), dim=1), first)
         progress.loss_sum += loss_sum
         progress.count += count
         self.step_losses, self.norms, self.count = [], [], 0
@@ -1355,7 +1488,8 @@ class EpochStats:
     def fold_norms(self, norms: torch.Tensor, first: int) -> None:
         finite = norms.isfinite()
         if not self.fp16 and not finite.all():
-            self.diverged(f"the gradient norm is {float(norms[~finite][0])} at step {first + int((~finite).nonzero()[0])}")
+            bad = int((~finite).nonzero()[0])
+            self.diverged(f"the gradient norm is {float(norms[bad])} at step {first + bad}")
         if finite.any():
             self.max_norm = max(self.max_norm or 0.0, float(norms[finite].max()))
         for ok in finite.tolist() if self.fp16 else ():
@@ -1387,7 +1521,8 @@ class EpochStats:
             record["skipped_steps"] = self.skipped  # by the GradScaler: their gradients overflowed
         if job.flops_per_sample:  # achieved training FLOP/s, and on a known GPU its share of the peak
             flops_per_sec = samples_per_sec * job.flops_per_sample
-            record.update(flops_per_sample=job.flops_per_sample, tflops_per_process=flops_per_sec / self.ctx.world_size / 1e12)
+            record.update(flops_per_sample=job.flops_per_sample,
+                          tflops_per_process=flops_per_sec / self.ctx.world_size / 1e12)
             peak = peak_flops(job.args, self.ctx)
             if peak:  # model FLOPs utilisation: over all GPUs' peak
                 record["mfu"] = flops_per_sec / peak
@@ -1451,7 +1586,8 @@ def count_flops(model: nn.Module, data: Loader, args, ctx: DistContext) -> tuple
     BatchNorm statistic, no gradient is left behind. (None, why) where the counter cannot count."""
     with preserved_state(model, ctx):
         batch, samples = data.first_batch()
-        with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter, UncountedOps(counter) as missed:
+        counter = flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
+        with counter, UncountedOps(counter) as missed:
             try:
                 with autocast(args, ctx):
                     loss_sum = call_compute_loss(model, batch, ctx)[0]
@@ -1461,8 +1597,12 @@ def count_flops(model: nn.Module, data: Loader, args, ctx: DistContext) -> tuple
                     raise  # the model's own error, which training would raise too
                 return None, f"torch's FlopCounterMode failed ({type(exc).__name__}: {first_line(exc)[:100]})"
     if missed.ops or not counter.get_total_flops():
-        return None, f"torch's FlopCounterMode has no formula for {', '.join(sorted(missed.ops)) or 'any op'} of this model"
+        ops = ", ".join(sorted(missed.ops)) or "any op"
+        return None, f"torch's FlopCounterMode has no formula for {ops} of this model"
     return counter.get_total_flops() / samples, ""
+
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402 (FlopCounterMode's own base, private)
 
 
 class UncountedOps(TorchDispatchMode):
@@ -1506,19 +1646,29 @@ CPU_ATTENTION_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cp
                            flop_counter.sdpa_backward_flop.__wrapped__}
 
 
-# Dense peak TFLOP/s of one GPU (16-bit tensor cores, fp32) from the datasheets. Longest name first,
-# so that "L40S" is not taken for "L40" or "L4", nor "GH200" for "H200".
-GPU_PEAK_TFLOPS = {"GH200": (989.4, 66.9), "H200": (989.4, 66.9), "H100 NVL": (835.5, 60.0),
-                   "H100 PCIe": (756.0, 51.2), "H100": (989.4, 66.9), "A100": (312.0, 19.5),
-                   "L40S": (362.1, 91.6), "L40": (181.0, 90.5), "L4": (121.0, 30.3), "V100": (125.0, 15.7)}
+# Dense (no sparsity) peak TFLOP/s of one GPU: (bf16, fp16) on tensor cores, and fp32 without them. From
+# NVIDIA's datasheets: H100 and H800 (SXM5, PCIe, NVL), H200 (SXM, NVL), GH200, A100 (SXM4 and PCIe: the
+# same), L40S, L40, L4, V100 (SXM2; PCIe and V100S PCIe are slower); B200 (HGX, 1000 W) and GB200 (per GPU,
+# 1200 W) from NVIDIA's Blackwell datasheet. Volta has no bf16 tensor cores: None, and so no MFU with
+# --amp bf16 there. The longest name that matches wins ("H100 NVL" over "H100", "GB200" over "B200").
+GPU_PEAK_TFLOPS = {
+    "GB200": (2500.0, 2500.0, 90.0), "B200": (2250.0, 2250.0, 80.0),
+    "GH200": (989.4, 989.4, 66.9), "H200 NVL": (835.5, 835.5, 60.0), "H200": (989.4, 989.4, 66.9),
+    "H100 NVL": (835.5, 835.5, 60.0), "H100 PCIe": (756.0, 756.0, 51.2), "H100": (989.4, 989.4, 66.9),
+    "H800 PCIe": (756.0, 756.0, 51.2), "H800": (989.4, 989.4, 66.9), "A100": (312.0, 312.0, 19.5),
+    "L40S": (362.1, 362.1, 91.6), "L40": (181.0, 181.0, 90.5), "L4": (121.0, 121.0, 30.3),
+    "V100S": (None, 130.0, 16.4), "V100-PCIE": (None, 112.0, 14.0), "V100": (None, 125.0, 15.7)}
 
 
 def gpu_peak_tflops(device_name: str, amp: str) -> float | None:
-    """Peak TFLOP/s of one GPU at the precision training runs in; None for a GPU not in the table."""
+    """Peak TFLOP/s of one GPU at the precision training runs in; None where it is unknown or does not
+    apply: a GPU not in the table, a MIG slice (a fraction of the GPU), bf16 on Volta."""
+    if re.search(r"\bMIG\b", device_name):
+        return None
     for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
-        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name):
-            half, single = GPU_PEAK_TFLOPS[key]
-            return half if amp != "off" else single
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name, re.IGNORECASE):
+            bf16, fp16, fp32 = GPU_PEAK_TFLOPS[key]
+            return {"bf16": bf16, "fp16": fp16}.get(amp, fp32)
     return None
 
 
@@ -1564,19 +1714,25 @@ def check_every_parameter_got_a_gradient(job: Job) -> None:
              "some steps, or set requires_grad=False on those you freeze", ctx=job.ctx)
 
 
-def mean_gradients(job: Job, count: torch.Tensor) -> torch.Tensor:
+def mean_gradients(job: Job, count) -> torch.Tensor:
     """Make the step's gradient the mean over its global count, once per step, then --clip-grad-norm
-    it; returns its norm before clipping. Backward saw the sums / typical_count (a constant that keeps
-    them in fp16's range), and DDP averaged them over ranks: x world size x typical_count / count."""
+    it. Backward saw the sums / typical_count (a constant that keeps them in fp16's range), and DDP
+    averaged them over ranks: x world size x typical_count / count. Returns the norm before clipping
+    as its parameters' norms (EpochStats takes their norm when it folds: one op less a step)."""
     job.scaler.unscale_(job.optimizer)  # Trap: clip and log the true gradients, not fp16's loss-scaled ones
-    params = [p for p in job.model.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
-    scale = torch.where(count > 0, job.ctx.world_size * job.typical_count / count, 0.0)  # DDP: sums -> mean
-    torch._foreach_mul_(grads, scale)
-    norm = torch.nn.utils.get_total_norm(grads)
+    params = [p for group in job.optimizer.param_groups for p in group["params"] if p.grad is not None]
+    grads, factor = [p.grad for p in params], job.ctx.world_size * job.typical_count  # DDP: sums -> mean:
+    if torch.is_tensor(count):  # on the GPU, without waiting for it
+        torch._foreach_mul_(grads, torch.where(count > 0, factor / count, 0.0))
+    elif count != factor:  # (a classifier without accumulation: factor / count is exactly 1)
+        torch._foreach_mul_(grads, factor / count if count > 0 else 0.0)
+    # As torch.nn.utils' norm and clip do it, without their per-call grouping (~150 us a step here).
+    norms = torch.stack(torch._foreach_norm(grads))
     if job.args.clip_grad_norm:
-        torch.nn.utils.clip_grads_with_norm_(params, job.args.clip_grad_norm, norm)
-    return norm
+        norm = torch.linalg.vector_norm(norms)
+        torch._foreach_mul_(grads, (job.args.clip_grad_norm / (norm + 1e-6)).clamp(max=1.0))
+        return norm.reshape(1)
+    return norms
 
 
 def broadcast_buffers(model: nn.Module, ctx: DistContext) -> None:

@@ -687,6 +687,209 @@ def test_slurm_node_lists_and_task_counts_are_read_like_slurm_writes_them():
 
 
 # ---------------------------------------------------------------------------
+# What a first GPU run would hit, checked on the CPU: BatchNorm's one-sample batches, the GPU and
+# core each process takes, loading checkpoints, strict metrics, the order of DDP's buckets
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("launch", ["python", "torchrun"])
+def test_batchnorm_with_a_one_sample_micro_batch_stops_before_training_and_names_drop_last(tmp_path, launch):
+    # 65 samples at 64: the last step holds one. Under torchrun 2 x 64, 129 samples: rank 0 gets one.
+    bn = ["--batch-norm", "--batch-size", 64, "--eval-samples", 0]
+    cmd = python_cmd(*bn, "--num-samples", 65) if launch == "python" else torchrun_cmd(2, *bn, "--num-samples", 129)
+    r = run(cmd, tmp_path, expect=2 if launch == "python" else 1)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("ddp_train.py: error:")]
+    assert len(errors) == 1 and "a micro-batch of one sample" in errors[0] and "pass --drop-last" in errors[0], r
+    assert "Expected more than 1 value" not in r.stderr and not (tmp_path / "out" / "checkpoint.pt").exists()
+    if launch == "python":
+        assert len(r.stderr.strip().splitlines()) == 1, r
+    # --drop-last trains the full global batches only.
+    r = run([*cmd, "--drop-last"], tmp_path, out="dropped")
+    assert [m["train_samples"] for m in r.metrics] == [64 if launch == "python" else 128] * 3
+
+
+def test_drop_last_drops_the_same_samples_in_n_by_b_and_one_by_nb(tmp_path, reference):
+    # 1000 samples, global batch 64: 15 full steps, 40 samples left out of each epoch's shuffle.
+    two = run(torchrun_cmd(2, *SMALL, "--drop-last"), tmp_path, out="two")
+    one = run(python_cmd(*SMALL, "--batch-size", 64, "--drop-last"), tmp_path, out="one")
+    assert [m["train_samples"] for m in two.metrics] == [m["train_samples"] for m in one.metrics] == [960, 960]
+    assert two.metrics[-1]["step"] == 30 and "15 steps/epoch" in two.stdout
+    assert_same_weights(two.weights, one.weights)
+    assert two.metrics[-1]["train_loss"] == pytest.approx(one.metrics[-1]["train_loss"], rel=1e-6)
+    with pytest.raises(AssertionError):  # negative control: without --drop-last it is another run
+        assert_same_weights(two.weights, reference(python_cmd(*SMALL, "--batch-size", 64)).weights)
+
+
+@pytest.mark.fast
+def test_micro_batches_are_balanced_and_never_hold_one_sample_when_more_fit():
+    sizes = lambda n, most: [len(b) for b in ddp_train.split(list(range(n)), most)]  # noqa: E731
+    assert sizes(65, 64) == [32, 33] and sizes(128, 64) == [64, 64] and sizes(129, 64) == [43, 43, 43]
+    assert sizes(1, 64) == [1] and sizes(0, 64) == [] and sizes(7, 1) == [1] * 7
+    assert sum(ddp_train.split(list(range(100)), 30), []) == list(range(100))  # in order, each once
+
+
+@pytest.mark.fast
+def test_each_local_process_gets_a_gpu_of_its_own_or_one_line_saying_why():
+    choose = ddp_train.choose_gpu
+    assert [choose(r, 4, 8, "torchrun", None) for r in range(4)] == [0, 1, 2, 3]  # more GPUs than processes
+    assert [choose(r, 8, 8, "slurm", None) for r in range(8)] == list(range(8))  # srun --gpu-bind=none
+    assert [choose(r, 8, 1, "slurm", "0") for r in range(8)] == [0] * 8  # srun --gpus-per-task=1: its own
+    assert [choose(r, 4, 2, "slurm", "2,3") for r in range(4)] == [0, 0, 0, 0]  # --gpus-per-task=2
+    for shared in (choose(1, 2, 1, "torchrun", "0"), choose(0, 2, 1, "torchrun", "0"), choose(0, 2, 1, "spawn", None)):
+        assert isinstance(shared, str) and "LOCAL_RANK=" in shared and "LOCAL_WORLD_SIZE=2" in shared  # one GPU
+    assert "sees 1 (CUDA_VISIBLE_DEVICES=0)" in choose(1, 2, 1, "torchrun", "0")
+    beyond = choose(1, 1, 1, "env", None)  # LOCAL_RANK beyond the visible GPUs
+    assert isinstance(beyond, str) and "LOCAL_RANK=1" in beyond and "<unset>" in beyond
+    assert isinstance(choose(2, 4, 2, "torchrun", "0,1"), str) and isinstance(choose(0, 4, 2, "torchrun", "0,1"), str)
+
+
+@pytest.mark.fast
+def test_threads_divide_only_what_the_processes_share():
+    cpus = ddp_train.cpus_per_process
+    assert cpus(16, 8, "slurm", "16") == 16  # srun --ntasks-per-node=8 --cpus-per-task=16: its own 16
+    assert cpus(128, 8, "slurm", "16") == 16  # the same without binding: at most what it was given
+    assert cpus(128, 8, "torchrun", None) == 16 and cpus(32, 8, "torchrun", "32") == 4  # torchrun's workers share
+    assert cpus(128, 8, "slurm", None) == 16 and cpus(2, 4, "spawn", None) == 1
+    cuda = ddp_train.holds_tensors_on
+    inner = torch.utils.data.TensorDataset(torch.zeros(4, 2, device="meta"))  # (meta stands in for cuda here)
+    assert cuda(torch.utils.data.Subset(inner, [0, 1]), "meta") and not cuda(inner, "cpu")
+    assert ddp_train.loader_workers(-1, True, 16, True, inner, ddp_train.DistContext()) == 0
+    assert ddp_train.loader_workers(-1, True, 16, False, inner, ddp_train.DistContext()) == 4
+    assert ddp_train.loader_workers(-1, False, 16, False, inner, ddp_train.DistContext()) == 0
+
+
+def test_srun_tasks_with_cpus_per_task_take_their_own_cores(tmp_path):
+    port = free_port(15000, 35000)
+    slurm = dict(SLURM_NTASKS=2, SLURM_STEP_NUM_TASKS=2, SLURM_STEP_TASKS_PER_NODE=2, SLURM_JOB_ID=port - 15000,
+                 SLURM_JOB_NODELIST="127.0.0.1", SLURM_CPUS_PER_TASK=CORES, OMP_NUM_THREADS=None)
+    out_dir = tmp_path / "out"
+    tasks = [Launch(python_cmd(*SMALL, "--epochs", 1, "--out-dir", out_dir), tmp_path, f"task{i}",
+                    env=clean_env(**slurm, SLURM_PROCID=i, SLURM_LOCALID=i)) for i in range(2)]
+    assert finish(tasks) == [0, 0], tasks[0].stderr + tasks[1].stderr
+    assert f"slurm, world size 2 (2/node), gloo, cpu, {CORES} thread(s)/process" in tasks[0].stdout
+
+
+def test_checkpoints_load_memory_mapped_onto_the_cpu_and_resume_bit_identical(project, tmp_path, reference):
+    log = tmp_path / "loads"
+    env = clean_env(LOAD_LOG=log)
+    out = tmp_path / "out"
+    with Launch(python_cmd(*FT, "--spawn", 2, "--out-dir", out, script=str(project / "spy_load.py")), tmp_path,
+                "stopped", env=env) as launch:
+        wait_for_checkpoint(launch, out)
+        launch.proc.send_signal(signal.SIGTERM)
+        assert launch.wait() == 75, launch.stderr
+    r = run(python_cmd(*FT, "--spawn", 2, script=str(project / "spy_load.py")), tmp_path, env=env)
+    assert resumed_at(r.stdout)[0] > 0
+    for rank in (0, 1):  # each rank maps the file: the node's ranks share its pages
+        assert Path(f"{log}.{rank}").read_text().splitlines() == ["checkpoint.pt map_location=cpu mmap=True"]
+    assert_same_weights(r.weights, reference(torchrun_cmd(2, *FT)).weights, exact=True)
+
+
+def test_fp16_skipped_steps_are_counted_out_of_the_norm_and_metrics_stay_strict_json(project, tmp_path):
+    def strict(line):
+        return json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl: {line}"))
+
+    script = str(project / "overflow.py")
+    # A third of the steps overflow: GradScaler skips them; they are counted, and kept out of the maximum.
+    some = run(python_cmd("--epochs", 1, "--batch-size", 16, "--amp", "fp16", "--clip-grad-norm", 1, script=script),
+               tmp_path, out="some", env=clean_env(OVERFLOW_EVERY=3))
+    [record] = [strict(line) for line in (some.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert 25 <= record["skipped_steps"] <= 35 and 0 < record["grad_norm_max"] < 100, record
+    assert "warning" not in some.stderr, some
+    # Every step overflows: the loss scale keeps collapsing, and one line says so.
+    every = run(python_cmd("--epochs", 1, "--batch-size", 16, "--amp", "fp16", script=script), tmp_path, out="every",
+                env=clean_env(OVERFLOW_EVERY=1))
+    [record] = [strict(line) for line in (every.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert record["skipped_steps"] == 90 and "grad_norm_max" not in record
+    assert every.stderr.count("the GradScaler skipped 20 optimizer steps in a row") == 1, every
+
+
+def test_ddp_buckets_follow_the_order_gradients_really_arrive_in(project, tmp_path):
+    # The model registers its layers last-first and runs them first-last: its first layer's gradients
+    # arrive first, and DDP's first bucket, the one it all-reduces while backward still runs, holds them.
+    buckets = tmp_path / "buckets"
+    run(torchrun_cmd(2, *SMALL, "--epochs", 1, script=str(project / "reversed.py")), tmp_path,
+        env=clean_env(BUCKETS=buckets))
+    layout = json.loads(Path(f"{buckets}.0").read_text())
+    order = [[int(i) for i in bucket.split()] for bucket in layout["rebuilt_per_bucket_param_indices"].split(",")]
+    # Parameters by index: layers.0 (0, 1) .. layers.3 (6, 7), head (8, 9). Backward reaches the head
+    # first, then layers.0, which ran last. A warm-up on a made-up loss would give registration order
+    # reversed (9, 8, 7, ...), and layers.0 would wait in the last bucket.
+    assert sum(order, []) == [9, 8, 1, 0, 3, 2, 5, 4, 7, 6] and {0, 1} <= set(order[0]), layout
+    assert len(order) > 1 and layout["has_rebuilt_buckets"] == 1
+
+
+# ---------------------------------------------------------------------------
+# Long runs you can watch: progress lines and checkpoints on a clock, agreed by all ranks
+# ---------------------------------------------------------------------------
+
+PROGRESS = re.compile(r"^  epoch +(\d+)/(\d+)  step +([\d,]+)/([\d,]+) \( *([\d.]+)%\)  train_loss ([\d.]+) +([\d,]+) "
+                      r"samples/s(?: +([\d,]+) tokens/s)?  lr \S+  elapsed (\d+):(\d\d):(\d\d)  ETA (\d+):(\d\d):(\d\d)$", re.M)
+
+
+def seconds(h, m, s) -> int:
+    return 3600 * int(h) + 60 * int(m) + int(s)
+
+
+def test_progress_lines_come_on_a_clock_with_percentage_throughput_and_a_fair_eta(tmp_path):
+    # 2 epochs of 65,536 samples: several seconds, and a line at least every half second.
+    r = run(python_cmd("--num-samples", 65536, "--eval-samples", 0, "--epochs", 2, "--log-seconds", 0.5), tmp_path)
+    lines = PROGRESS.findall(r.stdout)
+    first_epoch_line = r.stdout.index("\nepoch   1/2")
+    assert len(lines) >= 4 and r.stdout.index(PROGRESS.search(r.stdout).group(0)) < first_epoch_line, r.stdout
+    percents = [float(line[4]) for line in lines]
+    assert percents == sorted(percents) and 0 < percents[0] and percents[-1] < 100
+    assert all(int(line[6].replace(",", "")) > 1000 for line in lines) and all(float(line[5]) < 3 for line in lines)
+    assert all(line[3] == "2,048" for line in lines)  # 1,024 steps an epoch, 2 epochs
+    # The last line's ETA against the time the run really took from there (whole seconds on both sides).
+    elapsed, eta = seconds(*lines[-1][8:11]), seconds(*lines[-1][11:14])
+    total = re.search(r"saved .*: 2 epoch\(s\), 2048 steps, (\d+):(\d\d):(\d\d) since launch, [\d,]+ samples/s "
+                      r"while training$", r.stdout, re.M)
+    assert total, r.stdout
+    assert abs(seconds(*total.groups()) - elapsed - eta) <= 2, (lines[-1], total.group(0))
+
+
+def test_short_runs_print_what_they_always_printed(tmp_path):
+    # The default task takes a few seconds: shorter than --log-seconds' 30, so no progress line.
+    r = run(python_cmd(*SMALL), tmp_path)
+    assert [line.split()[0] for line in r.stdout.splitlines()] == ["ddp_train.py:", "global", "epoch", "epoch", "saved"]
+    assert not PROGRESS.search(r.stdout) and r.stderr == ""
+
+
+def test_clock_driven_logging_and_saving_with_a_slow_rank_neither_hang_nor_change_the_run(project, tmp_path, reference):
+    # Rank 1's Dataset takes 2 ms a sample, so the ranks' clocks and paces differ; lines every 0.2 s and
+    # checkpoints every 0.5 s are decided together, and the run is the one without them, bit for bit.
+    slow = str(project / "slow.py")
+    env = clean_env(SLOW_RANKS="1", SLOW_MS=2)
+    clocks = run(torchrun_cmd(2, *DIGITS, "--save-every", 0, "--log-seconds", 0.2, "--save-minutes", 1 / 120,
+                              script=slow), tmp_path, env=env)
+    assert len(PROGRESS.findall(clocks.stdout)) >= 3, clocks.stdout
+    assert (clocks.out_dir / "checkpoint.pt").exists()
+    assert_same_weights(clocks.weights, reference(digits_cmd(project, "torchrun")).weights, exact=True)
+
+
+def test_a_hard_kill_loses_only_the_minutes_since_the_clock_checkpoint_and_resumes_bit_identical(
+        project, tmp_path, reference):
+    # A slowed user project with 2 DataLoader workers, checkpoints every 0.3 s and none by step count:
+    # kill -9 of the whole job once a checkpoint lands mid-epoch; the rerun starts from there.
+    out, slow = tmp_path / "out", str(project / "slow.py")
+    cmd = torchrun_cmd(2, *DIGITS, "--workers", 2, "--save-every", 0, "--save-minutes", 0.005, script=slow)
+    with Launch([*cmd, "--out-dir", out], tmp_path, "killed", env=clean_env(SLOW_MS=3)) as launch:
+        def mid_epoch_checkpoint():
+            try:
+                return torch.load(out / "checkpoint.pt", weights_only=True)["step_in_epoch"] > 0
+            except (OSError, RuntimeError, EOFError):  # not there yet
+                return False
+        launch.wait_for(mid_epoch_checkpoint, "a clock-driven checkpoint mid-epoch")
+        launch.kill()  # SIGKILL to the whole process group: torchrun, workers, DataLoader workers
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    r = run(cmd, tmp_path)
+    assert resumed_at(r.stdout) == (saved["step_in_epoch"], saved["step"]) and saved["step_in_epoch"] > 0, r
+    assert_same_weights(r.weights, reference(digits_cmd(project, "torchrun")).weights, exact=True)
+    assert [m["epoch"] for m in r.metrics] == [1, 2]
+
+
+# ---------------------------------------------------------------------------
 # Fault tolerance: checkpoints, resume, preemption
 # ---------------------------------------------------------------------------
 
@@ -1234,9 +1437,16 @@ def test_gpu_peak_table_picks_the_precision_and_the_exact_model():
     peak = ddp_train.gpu_peak_tflops
     assert peak("NVIDIA H100 80GB HBM3", "bf16") == 989.4 and peak("NVIDIA H100 PCIe", "off") == 51.2
     assert peak("NVIDIA H100 NVL", "bf16") == 835.5  # not the SXM row
+    assert peak("NVIDIA H200 NVL", "bf16") == 835.5 and peak("NVIDIA H200 NVL", "off") == 60.0
     assert peak("NVIDIA L4", "bf16") == 121.0 and peak("NVIDIA L40S", "off") == 91.6
     assert peak("NVIDIA L40", "bf16") == 181.0  # not the L4 row
     assert peak("NVIDIA GH200 480GB", "bf16") == 989.4 and peak("NVIDIA H200", "off") == 66.9
+    assert peak("NVIDIA H800", "bf16") == 989.4 and peak("NVIDIA H800 PCIe", "bf16") == 756.0
+    assert peak("NVIDIA B200", "bf16") == 2250.0 and peak("NVIDIA GB200", "bf16") == 2500.0  # not the B200 row
+    assert peak("Tesla V100-SXM2-16GB", "fp16") == 125.0 and peak("Tesla V100-PCIE-32GB", "fp16") == 112.0
+    assert peak("Tesla V100S-PCIE-32GB", "off") == 16.4
+    assert peak("Tesla V100-SXM2-16GB", "bf16") is None  # Volta has no bf16 tensor cores
+    assert peak("NVIDIA A100-SXM4-40GB MIG 3g.20gb", "bf16") is None  # a slice, not the GPU
     assert peak("Some Future GPU", "bf16") is None
 
 
@@ -1302,6 +1512,49 @@ def test_local_rank_beyond_visible_gpus_is_one_clear_line(tmp_path):
     env = clean_env(RANK=0, WORLD_SIZE=1, LOCAL_RANK=torch.cuda.device_count(), MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
     r = run(python_cmd(*SMALL), tmp_path, env=env, expect=2)
     assert "CUDA_VISIBLE_DEVICES" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_two_processes_on_one_visible_gpu_stop_with_one_line(tmp_path):
+    r = run(torchrun_cmd(2, *SMALL), tmp_path, env=clean_env(CUDA_VISIBLE_DEVICES=0), expect=1)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("ddp_train.py: error:")]
+    assert len(errors) == 1 and "LOCAL_WORLD_SIZE=2 sees 1 (CUDA_VISIBLE_DEVICES=0)" in errors[0], r
+
+
+@gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("compiled", [[], ["--compile"]], ids=["eager", "compile"])
+def test_sync_bn_with_an_uneven_last_step_neither_hangs_nor_crashes(tmp_path, compiled):
+    # 129 samples on 2 GPUs at 64: floor(129 / 2) = 64 is a multiple of the batch, so rank 1 would have
+    # no sample in the last step while rank 0 runs SyncBatchNorm's collectives: --sync-bn drops that step.
+    r = run(torchrun_cmd(2, "--num-samples", 129, "--eval-samples", 64, "--epochs", 2, "--batch-norm", "--sync-bn",
+                         *compiled), tmp_path, timeout=300)
+    assert "--sync-bn: every step is a full global batch" in r.stdout, r
+    assert [m["train_samples"] for m in r.metrics] == [128, 128]
+
+
+@gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_rank_whose_first_compiled_step_is_minutes_late_survives_the_default_timeout(project, tmp_path):
+    # Rank 1 starts its first step 11 minutes after rank 0: a cold compile on a slow node. NCCL's own
+    # default (600 s) would kill the job; --timeout's default waits. (Long: run by make test-gpu.)
+    r = run(torchrun_cmd(2, "--epochs", 1, "--compile", script=str(project / "stopper.py")), tmp_path,
+            env=clean_env(LATE_RANK=1, LATE_SECONDS=660), timeout=900)
+    assert r.metrics[0]["world_size"] == 2
+
+
+@pytest.mark.fast
+def test_the_default_timeout_outlasts_a_cold_compile_and_nccls_own_default():
+    assert ddp_train.parse_args([]).timeout >= 1800  # NCCL's default is 600 s
+    assert "cold compile" in subprocess.run([PY, SCRIPT, "--help"], capture_output=True, text=True, timeout=60).stdout
+
+
+def test_make_test_gpu_without_cuda_says_so_in_one_line_and_exits_0():
+    if HAS_CUDA:
+        pytest.skip("CUDA is present: make test-gpu runs for real")
+    r = subprocess.run(["make", "-s", "test-gpu"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "make test-gpu: no CUDA device here; nothing to run"
 
 
 @gpu
