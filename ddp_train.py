@@ -243,7 +243,8 @@ def train(args, ctx: DistContext, agreement: Agreement) -> int:
     model = build_model(args).to(ctx.device)
     seed_everything(mix_seed(args.seed, RANK_STREAM, ctx.rank))  # DDP: each rank its own dropout masks
 
-    global_batch = args.batch_size * ctx.world_size * args.grad_accum  # DDP: the batch of one optimizer step
+    # DDP: the batch of one optimizer step: per process x world size x accumulation, or --global-batch
+    global_batch = args.global_batch or args.batch_size * ctx.world_size * args.grad_accum
     lr = args.lr * global_batch / args.scale_lr if args.scale_lr else args.lr
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # fused: one kernel for all parameters
     steps_per_epoch = count_steps(len(train_set), global_batch, args, ctx)  # --drop-last: full steps only
@@ -437,6 +438,11 @@ def add_machinery_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", default="auto",
                    help="auto: continue from OUT_DIR/checkpoint.pt if there is one; never: start over; or a path")
     g.add_argument("--init-from", metavar="PATH", help="start a new run from these weights (a model.pt)")
+    g = p.add_argument_group("elastic")
+    g.add_argument("--global-batch", type=at_least(1), default=None, metavar="G",
+                   help="the samples of one optimizer step, whatever the world size: --batch-size is the most per "
+                        "process and micro-batch, and the micro-batches per step follow (a resume on another "
+                        "world size, as torchrun --nnodes=MIN:MAX does, continues the same run)")
     g = p.add_argument_group("launching")
     g.add_argument("--spawn", type=at_least(0), default=0, help="start N local processes, no launcher needed")
     g.add_argument("--init-method", default="env://",
@@ -529,7 +535,8 @@ class Checkpoints:
         if differences:
             hint = ""
             if any(d.startswith("global_batch_size") for d in differences):
-                hint = " (with another world size, keep batch-size x world size x grad-accum the same)"
+                hint = (" (with another world size, keep batch-size x world size x grad-accum the same, or fix the "
+                        "global batch with --global-batch: an elastic run needs it)")
             fail(f"cannot resume from {path}: {', '.join(differences)}{hint}; rerun with the same settings, or "
                  "start over with --resume never or another --out-dir", ctx=self.ctx)
 
@@ -1080,9 +1087,20 @@ def count_steps(num_samples: int, global_batch: int, args, ctx: DistContext) -> 
         log(ctx, f"--sync-bn: every step is a full global batch, as with --drop-last (the last "
                  f"{num_samples % global_batch} sample(s) of each epoch sit out), so that every rank runs "
                  "SyncBatchNorm's collectives alike")
+    if args.global_batch and (args.grad_accum != 1 or global_batch % ctx.world_size):
+        fail(global_batch_problem(global_batch, args, ctx), ctx=ctx)
     if args.drop_last and num_samples < global_batch:
         fail(f"--drop-last: the {num_samples} training samples do not fill one global batch of {global_batch}", ctx=ctx)
     return num_samples // global_batch if args.drop_last else math.ceil(num_samples / global_batch)
+
+
+def global_batch_problem(global_batch: int, args, ctx: DistContext) -> str:
+    if args.grad_accum != 1:
+        return ("--global-batch fixes the samples of a step and --grad-accum follows from it and the world size: "
+                "pass one of them")
+    sizes = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+    return (f"--global-batch {global_batch} is split evenly over the ranks, so the world size must divide it: "
+            f"{', '.join(map(str, sizes[:16]))}{', ...' if len(sizes) > 16 else ''}; this run has {ctx.world_size}")
 
 
 def check_batchnorm_batch_sizes(model: nn.Module, num_samples: int, global_batch: int, steps: int, args,
@@ -1609,9 +1627,12 @@ def log_start(job: Job, lr: float, flops_not_counted: str) -> None:
     log(ctx, f"{PROG}: {ctx.launcher}, world size {ctx.world_size} ({ctx.local_world_size}/node), "
              f"{ctx.backend if ctx.distributed else 'no process group'}, {ctx.device}, "
              f"{torch.get_num_threads()} thread(s)/process")
-    log(ctx, f"global batch {job.global_batch} = {args.batch_size}/process x {ctx.world_size} x {args.grad_accum} "
-             f"accum, lr {lr:g}, {len(job.sampler.dataset):,} train / {len(eval_set):,} eval samples, "
-             f"{job.steps_per_epoch} steps/epoch")
+    per_rank = job.global_batch // ctx.world_size
+    accum = math.ceil(per_rank / args.batch_size)  # micro-batches per step: at most --batch-size each
+    split_up = (f"{per_rank // accum}/process x {ctx.world_size} x {accum} accum" if per_rank % accum == 0 else
+                f"{per_rank}/process x {ctx.world_size}, in {accum} micro-batches of at most {-(-per_rank // accum)}")
+    log(ctx, f"global batch {job.global_batch} = {split_up}, lr {lr:g}, {len(job.sampler.dataset):,} train / "
+             f"{len(eval_set):,} eval samples, {job.steps_per_epoch} steps/epoch")
     if flops_not_counted:
         log(ctx, f"FLOPs not counted: {flops_not_counted}; no FLOP/s or MFU is logged")
 

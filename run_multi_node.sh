@@ -8,7 +8,7 @@
 #   host1$ ./run_multi_node.sh --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 -- --epochs 10
 #
 # Setting              argument          environment      default
-# nodes in the job     --nnodes N        NNODES           1
+# nodes in the job     --nnodes N        NNODES           1; MIN:MAX (1:2) for an elastic job, see below
 # this node's rank     --node-rank R     NODE_RANK        0 (used by --rdzv static; c10d numbers nodes itself)
 # node 0's address     --master-addr A   MASTER_ADDR      127.0.0.1 (must be reachable from every node)
 # its port             --master-port P   MASTER_PORT      29500 (a free one when NNODES=1; --slurm: from the job)
@@ -17,9 +17,17 @@
 # job id (c10d)        --rdzv-id ID      RDZV_ID          ddp_train; the same on every node, unique per job
 # network interface    --ifname IF       IFNAME           unset; sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME
 # wait for all nodes   --timeout S       TIMEOUT          300 seconds, for the rendezvous and ddp_train.py's --timeout
-# restarts             --max-restarts K  MAX_RESTARTS     0; after a failure all workers restart and resume
+# restarts             --max-restarts K  MAX_RESTARTS     0 (elastic: 3); after a failure all workers restart and resume
+# last call (elastic)  --last-call S     LAST_CALL        30 s: how long a rendezvous waits for more than MIN nodes
 # training script      --script PATH     SCRIPT           ddp_train.py beside this file; or your own that imports it
 # Anything else, or everything after --, goes to ddp_train.py. PYTHON picks the interpreter.
+#
+# Elastic: NNODES=1:2 runs with whatever nodes are there, from MIN to MAX. A node that is lost (killed,
+# or cut off: noticed within --timeout) costs the steps since the last checkpoint and one rendezvous:
+# the survivors restart their workers, which resume at the smaller world size. A node that joins makes
+# the running ones stop at the next step, save, and resume with it. Give ddp_train.py --global-batch, so
+# that every world size continues the same run. The node at MASTER_ADDR hosts the rendezvous: it must
+# stay. Each restart after a failure costs one of MAX_RESTARTS; a join costs none.
 #
 # Timeouts: every node waits up to TIMEOUT (300 s) for node 0's port and for all nodes to join, and
 # ddp_train.py gives a collective that long. A stop signal (SIGTERM, SIGUSR1, SIGINT, SIGHUP) goes to
@@ -83,6 +91,7 @@ while [[ $# -gt 0 ]]; do
     --ifname) IFNAME=$2; shift 2 ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
     --max-restarts) MAX_RESTARTS=$2; shift 2 ;;
+    --last-call) LAST_CALL=$2; shift 2 ;;
     --script) SCRIPT=$2; shift 2 ;;
     --slurm)
       [[ -n "${SLURM_JOB_ID:-}" && -n "${SLURM_NODEID:-}" ]] || die "--slurm: not inside a SLURM job step (run it with srun)"
@@ -110,23 +119,30 @@ if [[ -n "$slurm" && -z "${MASTER_PORT:-}" ]]; then
   MASTER_PORT=$(( 61000 + (SLURM_JOB_ID * 11 + ${SLURM_STEP_ID:-0} + 2221 * ${SLURM_RESTART_COUNT:-0}) % 4500 ))
 fi
 NNODES=${NNODES:-1}
+[[ "$NNODES" =~ ^([0-9]+):([0-9]+)$ ]] && elastic=yes || elastic=''
+MAX_NODES=${NNODES#*:}  # the most nodes: NNODES itself, or MAX of MIN:MAX
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 RDZV=${RDZV:-c10d}
 RDZV_ID=${RDZV_ID:-ddp_train}
 TIMEOUT=${TIMEOUT:-300}
-MAX_RESTARTS=${MAX_RESTARTS:-0}
+MAX_RESTARTS=${MAX_RESTARTS:-$([[ -n "$elastic" ]] && echo 3 || echo 0)}
+LAST_CALL=${LAST_CALL:-30}
 SCRIPT=${SCRIPT:-$here/ddp_train.py}
 [[ -f "$SCRIPT" ]] || die "--script $SCRIPT: no such file"
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   NPROC_PER_NODE=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 1)')
 fi
-for v in NNODES NODE_RANK MASTER_PORT NPROC_PER_NODE TIMEOUT MAX_RESTARTS; do
+for v in MAX_NODES NODE_RANK MASTER_PORT NPROC_PER_NODE TIMEOUT MAX_RESTARTS LAST_CALL; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a whole number, got '${!v}'"
 done
-(( NODE_RANK < NNODES )) || die "NODE_RANK $NODE_RANK is not below NNODES $NNODES"
-(( NNODES == 1 )) || [[ -n "$master_addr_given" ]] || die "NNODES is $NNODES: set MASTER_ADDR to node 0's address (the same on every node)"
+if [[ -n "$elastic" ]]; then
+  (( ${NNODES%:*} >= 1 && ${NNODES%:*} <= MAX_NODES )) || die "NNODES $NNODES: MIN:MAX with 1 <= MIN <= MAX"
+  [[ "$RDZV" == c10d ]] || die "NNODES $NNODES is elastic: it needs --rdzv c10d"
+fi
+(( NODE_RANK < MAX_NODES )) || die "NODE_RANK $NODE_RANK is not below NNODES $NNODES"
+(( MAX_NODES == 1 )) || [[ -n "$master_addr_given" ]] || die "NNODES is $NNODES: set MASTER_ADDR to node 0's address (the same on every node)"
 # What torchrun's environment gets from here (printed with its command).
 # A script of your own imports ddp_train: the one beside this file, unless its own directory has one.
 envs=(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}")
@@ -138,7 +154,7 @@ fi
 # After a failure with --max-restarts, torchrun's agents start a new round; by default they reuse
 # one TCPStore whose stale keys can misdirect the new workers (pytorch/pytorch#135712). A fresh
 # store per round, hosted by the new rank 0, keeps a surviving node and a restarted one in step.
-[[ "$NNODES" -gt 1 && "$RDZV" == c10d ]] && envs+=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}")
+[[ "$MAX_NODES" -gt 1 && "$RDZV" == c10d ]] && envs+=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}")
 # torchrun forwards only the signals its --signals-to-handle names (PET_SIGNALS_TO_HANDLE; torch >= 2.9),
 # and SLURM's --signal=USR1 is not among its defaults: without it, USR1 kills torchrun before the
 # workers save. (It overwrites TORCHELASTIC_SIGNALS_TO_HANDLE with that option's value.)
@@ -190,7 +206,7 @@ PY
   esac
   # gloo advertises the address this machine's hostname resolves to. If that is a loopback address,
   # the other nodes would dial themselves: the interface must be named.
-  if (( NNODES > 1 )) && [[ -z "${IFNAME:-}${GLOO_SOCKET_IFNAME:-}" ]] &&
+  if (( MAX_NODES > 1 )) && [[ -z "${IFNAME:-}${GLOO_SOCKET_IFNAME:-}" ]] &&
      "$PYTHON" -c 'import socket, sys; sys.exit(not socket.gethostbyname(socket.gethostname()).startswith("127."))'; then
     dev=$(ip -o -4 addr show 2>/dev/null | awk -v a="$local_addr" 'index($4, a "/") == 1 {print $2}')
     die "this machine's hostname ($(hostname)) resolves to a loopback address, which other nodes cannot reach: set IFNAME=${dev:-<interface>} (the interface with $local_addr)"
@@ -199,11 +215,11 @@ fi
 
 launch=(--nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS")
 [[ -n "$local_addr" ]] && launch+=(--local-addr="$local_addr")
-if [[ "$NNODES" == 1 && -z "$master_addr_given" ]]; then
+if [[ "$MAX_NODES" == 1 && -z "$master_addr_given" ]]; then
   launch+=(--standalone)  # one node: a free port, so two runs on one machine never collide
 elif [[ "$RDZV" == c10d ]]; then
   launch+=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RDZV_ID"
-           --rdzv-conf="join_timeout=$TIMEOUT,read_timeout=$TIMEOUT,is_host=$([[ $role == host ]] && echo 1 || echo 0)")
+           --rdzv-conf="join_timeout=$TIMEOUT,read_timeout=$TIMEOUT,is_host=$([[ $role == host ]] && echo 1 || echo 0)${elastic:+,last_call_timeout=$LAST_CALL}")
 elif [[ "$RDZV" == static ]]; then
   launch+=(--node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT"
            --rdzv-conf="timeout=$TIMEOUT")

@@ -1147,6 +1147,109 @@ def test_restarted_node_rejoins_and_run_ends_bit_identical(two_hosts, tmp_path, 
 
 
 # ---------------------------------------------------------------------------
+# Elastic: --global-batch fixes the run whatever the world size; torchrun --nnodes=MIN:MAX survives a
+# lost node and welcomes a joining one
+# ---------------------------------------------------------------------------
+
+# 8,192 samples, 32 a step however many processes take them: 256 steps an epoch, a checkpoint every 40.
+ELASTIC = ["--num-samples", 8192, "--eval-samples", 256, "--epochs", 2, "--batch-size", 16, "--global-batch", 32,
+           "--save-every", 40, "--timeout", 30]
+# examples/digits.py's deterministic variant with 2 DataLoader workers: 23 steps an epoch.
+ELASTIC_PLAIN = ["--epochs", 2, "--batch-size", 32, "--global-batch", 64, "--workers", 2, "--save-every", 5,
+                 "--timeout", 30]
+
+
+def elastic_agent(tmp_path: Path, name: str, port: int, host: bool, *args, script=SCRIPT) -> Launch:
+    """One torchrun agent of an elastic job of one to two nodes, one process each, on this machine;
+    the first hosts the rendezvous. A node without heartbeat for 3 s is dropped from it."""
+    cmd = [PY, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=3",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
+           f"--rdzv-conf=is_host={int(host)},last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+           script, *map(str, args)]
+    return Launch(cmd, tmp_path, name, env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
+
+
+def kill_node(agent: Launch):
+    """SIGKILL to a torchrun agent and its workers (each in a session of its own), DataLoader workers too."""
+    for worker in worker_pids(agent.proc.pid).values():
+        os.killpg(worker, signal.SIGKILL)
+    agent.kill()
+
+
+@pytest.mark.parametrize("user", [False, True], ids=["default-task", "user-project-with-workers"])
+def test_a_lost_node_is_survived_with_the_same_global_batch(project, tmp_path, reference, user):
+    args, script = (ELASTIC_PLAIN, str(project / "plain.py")) if user else (ELASTIC, SCRIPT)
+    out, port = tmp_path / "out", free_port()
+    a = elastic_agent(tmp_path, "a", port, True, *args, "--out-dir", out, script=script)
+    b = elastic_agent(tmp_path, "b", port, False, *args, "--out-dir", out, script=script)
+    try:
+        a.wait_for(lambda: (out / "checkpoint.pt").exists(), "a first checkpoint")
+        kill_node(b)  # node b is gone, agent and all: a's worker loses its peer, a restarts it alone
+        assert a.wait(180) == 0, a.stderr
+    finally:
+        for agent in (a, b):
+            agent.kill()
+    r = Result.of(a, out)
+    assert "saved by world size 2" in r.stdout and r.metrics[-1]["world_size"] == 1, r
+    assert {m["effective_batch_size"] for m in r.metrics} == {64 if user else 32}
+    two = reference(torchrun_cmd(2, *args, *(["--workers", 0] if user else []), script=script))
+    assert_same_run(r.weights, two.weights)  # the uninterrupted run at world size 2, to float rounding
+
+
+def test_a_joining_node_is_welcomed_with_the_same_global_batch(tmp_path, reference):
+    out, port = tmp_path / "out", free_port()
+    longer = [*ELASTIC, "--epochs", 4]
+    a = elastic_agent(tmp_path, "a", port, True, *longer, "--out-dir", out)
+    b = None
+    try:
+        a.wait_for(lambda: (out / "checkpoint.pt").exists(), "a first checkpoint")
+        b = elastic_agent(tmp_path, "b", port, False, *longer, "--out-dir", out)  # a stops, saves, and resumes with b
+        assert finish([a, b], 180) == [0, 0], a.stderr + b.stderr
+    finally:
+        for agent in filter(None, (a, b)):
+            agent.kill()
+    r = Result.of(a, out)
+    assert "stopped by a signal" in r.stdout and "saved by world size 1" in r.stdout, r
+    assert r.metrics[0]["world_size"] == 1 and r.metrics[-1]["world_size"] == 2
+    assert_same_run(r.weights, reference(python_cmd(*longer)).weights)  # the run at constant world size 1
+
+
+def test_global_batch_gives_the_same_run_on_every_world_size_that_divides_it(tmp_path, reference):
+    fixed = [*SMALL, "--global-batch", 64, "--batch-size", 16]
+    one, two, four = (run(cmd, tmp_path, out=name) for name, cmd in (
+        ("one", python_cmd(*fixed)), ("two", torchrun_cmd(2, *fixed)), ("four", torchrun_cmd(4, *fixed))))
+    assert "global batch 64 = 16/process x 1 x 4 accum" in one.stdout and "16/process x 4 x 1 accum" in four.stdout
+    for r in (two, four):
+        assert_same_weights(r.weights, one.weights)
+        assert [m["effective_batch_size"] for m in r.metrics] == [64, 64]
+    r = run(torchrun_cmd(3, *fixed), tmp_path, out="three", expect=1)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("ddp_train.py: error:")]
+    assert len(errors) == 1 and "1, 2, 4, 8, 16, 32, 64; this run has 3" in errors[0], r
+
+
+@multinode
+def test_a_node_cut_off_from_the_network_is_survived_by_an_elastic_job(two_hosts, tmp_path, reference):
+    # run_multi_node.sh with NNODES=1:2. Node 1's link goes down: node 0's worker waits --timeout (10 s)
+    # in its collective, fails, and node 0 restarts it alone once node 1 has missed its heartbeats.
+    out, port = tmp_path / "out", free_port()
+    nodes = start_nodes(two_hosts, tmp_path, [*ELASTIC, "--out-dir", out], port, NNODES="1:2", NPROC_PER_NODE=1,
+                        TIMEOUT=10, LAST_CALL=2)
+    try:
+        nodes[0].wait_for(lambda: (out / "checkpoint.pt").exists(), "a first checkpoint")
+        sh("ip", "-n", two_hosts[1].ns, "link", "set", two_hosts[1].ifname, "down")
+        assert nodes[0].wait(240) == 0, nodes[0].stderr
+    finally:
+        for n in nodes:
+            n.kill()
+        two_hosts[1].kill_all()
+        subprocess.run(["ip", "-n", two_hosts[1].ns, "link", "set", two_hosts[1].ifname, "up"], capture_output=True)
+    r = Result.of(nodes[0], out)
+    assert "--nnodes=1:2" in r.stderr and "last_call_timeout=2" in r.stderr, r.stderr
+    assert r.metrics[-1]["world_size"] == 1 and "saved by world size 2" in r.stdout, r
+    assert_same_run(r.weights, reference(torchrun_cmd(2, *ELASTIC)).weights)
+
+
+# ---------------------------------------------------------------------------
 # SLURM: launch modes, preemption and requeue on a real cluster (conftest.py's slurm_cluster fixtures)
 # ---------------------------------------------------------------------------
 
