@@ -769,7 +769,13 @@ def test_srun_tasks_with_cpus_per_task_take_their_own_cores(tmp_path):
     assert f"slurm, world size 2 (2/node), gloo, cpu, {CORES} thread(s)/process" in tasks[0].stdout
 
 
-def test_checkpoints_load_memory_mapped_onto_the_cpu_and_resume_bit_identical(project, tmp_path, reference):
+@pytest.mark.fast
+def test_checkpoints_load_onto_the_cpu_memory_mapped_for_gpus_and_read_for_the_cpu():
+    assert ddp_train.checkpoint_load_options("cuda") == {"map_location": "cpu", "mmap": True, "weights_only": True}
+    assert ddp_train.checkpoint_load_options("cpu") == {"map_location": "cpu", "mmap": False, "weights_only": True}
+
+
+def test_checkpoints_load_onto_the_cpu_and_resume_bit_identical(project, tmp_path, reference):
     log = tmp_path / "loads"
     env = clean_env(LOAD_LOG=log)
     out = tmp_path / "out"
@@ -780,8 +786,8 @@ def test_checkpoints_load_memory_mapped_onto_the_cpu_and_resume_bit_identical(pr
         assert launch.wait() == 75, launch.stderr
     r = run(python_cmd(*FT, "--spawn", 2, script=str(project / "spy_load.py")), tmp_path, env=env)
     assert resumed_at(r.stdout)[0] > 0
-    for rank in (0, 1):  # each rank maps the file: the node's ranks share its pages
-        assert Path(f"{log}.{rank}").read_text().splitlines() == ["checkpoint.pt map_location=cpu mmap=True"]
+    for rank in (0, 1):  # each rank reads it onto the CPU: on GPUs memory-mapped (see the test above)
+        assert Path(f"{log}.{rank}").read_text().splitlines() == ["checkpoint.pt map_location=cpu mmap=False"]
     assert_same_weights(r.weights, reference(torchrun_cmd(2, *FT)).weights, exact=True)
 
 
