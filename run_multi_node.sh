@@ -16,7 +16,7 @@
 # rendezvous           --rdzv c10d|static RDZV            c10d: elastic, recommended; static: fixed node ranks
 # job id (c10d)        --rdzv-id ID      RDZV_ID          ddp_train; the same on every node, unique per job
 # network interface    --ifname IF       IFNAME           unset; sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME
-# wait for all nodes   --timeout S       TIMEOUT          300 seconds, for the rendezvous and ddp_train.py's --timeout
+# wait for all nodes   --timeout S       TIMEOUT          300 seconds, for the rendezvous (and, if given, ddp_train.py's --timeout)
 # restarts             --max-restarts K  MAX_RESTARTS     0 (elastic: 3); after a failure all workers restart and resume
 # last call (elastic)  --last-call S     LAST_CALL        30 s: how long a rendezvous waits for more than MIN nodes
 # training script      --script PATH     SCRIPT           ddp_train.py beside this file; or your own that imports it
@@ -29,8 +29,9 @@
 # that every world size continues the same run. The node at MASTER_ADDR hosts the rendezvous: it must
 # stay. Each restart after a failure costs one of MAX_RESTARTS; a join costs none.
 #
-# Timeouts: every node waits up to TIMEOUT (300 s) for node 0's port and for all nodes to join, and
-# ddp_train.py gives a collective that long. A stop signal (SIGTERM, SIGUSR1, SIGINT, SIGHUP) goes to
+# Timeouts: every node waits up to TIMEOUT (300 s) for node 0's port and for all nodes to join; a TIMEOUT
+# you set is also ddp_train.py's --timeout for a collective (else its own default, 30 min, which a cold
+# --compile on one rank fits in, and after which a node cut off from the network is given up). A stop signal (SIGTERM, SIGUSR1, SIGINT, SIGHUP) goes to
 # torchrun, which passes it to the workers and gives them 30 s to checkpoint and exit before SIGKILL;
 # this script SIGKILLs a torchrun that is still running 45 s after the signal. The workers exit 75 once
 # their checkpoint is saved, torchrun and this script 1. It prints the timeouts and the exact torchrun
@@ -89,7 +90,7 @@ while [[ $# -gt 0 ]]; do
     --rdzv) RDZV=$2; shift 2 ;;
     --rdzv-id) RDZV_ID=$2; shift 2 ;;
     --ifname) IFNAME=$2; shift 2 ;;
-    --timeout) TIMEOUT=$2; shift 2 ;;
+    --timeout) TIMEOUT=$2; timeout_given=yes; shift 2 ;;
     --max-restarts) MAX_RESTARTS=$2; shift 2 ;;
     --last-call) LAST_CALL=$2; shift 2 ;;
     --script) SCRIPT=$2; shift 2 ;;
@@ -126,6 +127,7 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 RDZV=${RDZV:-c10d}
 RDZV_ID=${RDZV_ID:-ddp_train}
+timeout_given=${TIMEOUT:+yes}  # then ddp_train.py waits as long in its collectives; else its own default (30 min)
 TIMEOUT=${TIMEOUT:-300}
 MAX_RESTARTS=${MAX_RESTARTS:-$([[ -n "$elastic" ]] && echo 3 || echo 0)}
 LAST_CALL=${LAST_CALL:-30}
@@ -226,7 +228,7 @@ elif [[ "$RDZV" == static ]]; then
 else
   die "--rdzv must be c10d or static, got '$RDZV'"
 fi
-cmd=("$PYTHON" -m torch.distributed.run "${launch[@]}" "$SCRIPT" --timeout "$TIMEOUT" "${train_args[@]}")
+cmd=("$PYTHON" -m torch.distributed.run "${launch[@]}" "$SCRIPT" ${timeout_given:+--timeout "$TIMEOUT"} "${train_args[@]}")
 echo "run_multi_node.sh: $NNODES node(s) x $NPROC_PER_NODE process(es); timeouts: ${TIMEOUT}s for all nodes to" \
      "join, then after a stop signal 30s for the workers to save (torchrun) and SIGKILL to torchrun at 45s" >&2
 line=$(printf '%q ' "${envs[@]}" "${cmd[@]}")
