@@ -389,7 +389,7 @@ def spread(values, fmt) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one short round (8,192 samples, 2 epochs)")
+    p.add_argument("--quick", action="store_true", help="one short round (4,096 samples, 2 epochs)")
     p.add_argument("--rounds", type=int, default=10, help="interleaved rounds (on a noisy machine, fewer rounds give unsteady medians)")
     p.add_argument("--epochs", type=int, default=6, help="epochs per run; the first is excluded as warm-up")
     p.add_argument("--num-samples", type=int, default=32768)
@@ -409,7 +409,7 @@ def main(argv=None):
     if opts.gpu_modes:
         return gpu_modes(opts)
     if opts.quick:
-        opts.rounds, opts.epochs, opts.num_samples, opts.lm_samples = 1, 2, 8192, 64
+        opts.rounds, opts.epochs, opts.num_samples, opts.lm_samples = 1, 2, 4096, 32
 
     import torch
 

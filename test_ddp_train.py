@@ -1568,6 +1568,7 @@ def test_benchmark_quick_runs_and_prints_its_table(tmp_path):
     out = launch.stdout
     for label in ("ddp_train.py, 1 process", "ddp_train.py, torchrun 2x1", "hand-written loop, 1 process",
                   "tutorial DDP, torchrun 2x1", "ddp_train.py (your Dataset)", "hand-written DataLoader loop",
+                  "ddp_train.py (tinylm), 2x1", "hand-written DDP (tinylm), 2x1",
                   "launch->first step", "peak RSS/process", "ratio (per round)"):
         assert label in out, out
     assert re.search(r"ddp_train.py, 1 process / hand-written loop, 1 process\s+[\d.]+x\s+>= 0.95", out), out
