@@ -1161,18 +1161,29 @@ def test_restarted_node_rejoins_and_run_ends_bit_identical(two_hosts, tmp_path, 
 ELASTIC = ["--num-samples", 8192, "--eval-samples", 256, "--epochs", 2, "--batch-size", 16, "--global-batch", 32,
            "--save-every", 40, "--timeout", 30]
 # examples/digits.py's deterministic variant with 2 DataLoader workers: 23 steps an epoch.
+LAST_CALL = 10  # seconds the rendezvous waits for more nodes once one is there
 ELASTIC_PLAIN = ["--epochs", 2, "--batch-size", 32, "--global-batch", 64, "--workers", 2, "--save-every", 5,
                  "--timeout", 30]
 
 
 def elastic_agent(tmp_path: Path, name: str, port: int, host: bool, *args, script=SCRIPT) -> Launch:
     """One torchrun agent of an elastic job of one to two nodes, one process each, on this machine;
-    the first hosts the rendezvous. A node without heartbeat for 3 s is dropped from it."""
+    the first hosts the rendezvous. A node without heartbeat for 3 s is dropped from it; the last call
+    (10 s) is the slack a late agent has to join the others, however loaded the machine."""
     cmd = [PY, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=3",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
-           f"--rdzv-conf=is_host={int(host)},last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+           f"--rdzv-conf=is_host={int(host)},last_call_timeout={LAST_CALL},keep_alive_interval=1,keep_alive_max_attempt=3",
            script, *map(str, args)]
     return Launch(cmd, tmp_path, name, env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
+
+
+def trains_as_two(launch: Launch, out: Path):
+    """Until the first checkpoint of a run both nodes joined from the start (else this test is moot)."""
+    def started() -> bool:
+        first = launch.stdout.partition("\n")[0]
+        assert "world size 1" not in first, f"the other node missed the first rendezvous:\n{launch.stdout}"
+        return "world size 2" in first and (out / "checkpoint.pt").exists()
+    launch.wait_for(started, "a first checkpoint of both nodes")
 
 
 def kill_node(agent: Launch):
@@ -1189,7 +1200,7 @@ def test_a_lost_node_is_survived_with_the_same_global_batch(project, tmp_path, r
     a = elastic_agent(tmp_path, "a", port, True, *args, "--out-dir", out, script=script)
     b = elastic_agent(tmp_path, "b", port, False, *args, "--out-dir", out, script=script)
     try:
-        a.wait_for(lambda: (out / "checkpoint.pt").exists(), "a first checkpoint")
+        trains_as_two(a, out)
         kill_node(b)  # node b is gone, agent and all: a's worker loses its peer, a restarts it alone
         assert a.wait(180) == 0, a.stderr
     finally:
@@ -1239,9 +1250,9 @@ def test_a_node_cut_off_from_the_network_is_survived_by_an_elastic_job(two_hosts
     # in its collective, fails, and node 0 restarts it alone once node 1 has missed its heartbeats.
     out, port = tmp_path / "out", free_port()
     nodes = start_nodes(two_hosts, tmp_path, [*ELASTIC, "--out-dir", out], port, NNODES="1:2", NPROC_PER_NODE=1,
-                        TIMEOUT=10, LAST_CALL=2)
+                        TIMEOUT=10, LAST_CALL=LAST_CALL)
     try:
-        nodes[0].wait_for(lambda: (out / "checkpoint.pt").exists(), "a first checkpoint")
+        trains_as_two(nodes[0], out)
         sh("ip", "-n", two_hosts[1].ns, "link", "set", two_hosts[1].ifname, "down")
         assert nodes[0].wait(240) == 0, nodes[0].stderr
     finally:
@@ -1250,7 +1261,7 @@ def test_a_node_cut_off_from_the_network_is_survived_by_an_elastic_job(two_hosts
         two_hosts[1].kill_all()
         subprocess.run(["ip", "-n", two_hosts[1].ns, "link", "set", two_hosts[1].ifname, "up"], capture_output=True)
     r = Result.of(nodes[0], out)
-    assert "--nnodes=1:2" in r.stderr and "last_call_timeout=2" in r.stderr, r.stderr
+    assert "--nnodes=1:2" in r.stderr and f"last_call_timeout={LAST_CALL}" in r.stderr, r.stderr
     assert r.metrics[-1]["world_size"] == 1 and "saved by world size 2" in r.stdout, r
     assert_same_run(r.weights, reference(torchrun_cmd(2, *ELASTIC)).weights)
 
