@@ -1460,7 +1460,8 @@ def test_signal_before_the_time_limit_reaches_every_worker_through_torchrun_and_
     # 30 s) sends it. Under proctrack/pgid it goes to the task's process group only: torchrun's workers,
     # in sessions of their own, get it from torchrun or not at all. Frozen, they keep it pending.
     cluster = slurm_cluster2
-    job = submit(cluster, tmp_path, sbatch_recipe(tmp_path, *FT4), "--time=10")
+    # Frozen up to 45 s, a worker must not find its collectives timed out when thawed: --timeout 120.
+    job = submit(cluster, tmp_path, sbatch_recipe(tmp_path, *FT4, "--timeout", "120"), "--time=10")
     out = tmp_path / job
     workers = wait_for_training(cluster, job, out, world=4)
     freeze(workers)
