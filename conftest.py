@@ -806,8 +806,8 @@ class Reversed(nn.Module):
         return self.head(x)
 
 
-def wrap_model(model, args, ctx, wrap=ddp_train.wrap_model):
-    wrapped["ddp"] = wrap(model, args, ctx)
+def wrap_model(model, args, ctx, step_count, wrap=ddp_train.wrap_model):
+    wrapped["ddp"] = wrap(model, args, ctx, step_count)
     return wrapped["ddp"]
 
 

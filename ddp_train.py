@@ -87,11 +87,10 @@ def build_model(args) -> nn.Module:
 
 def compute_loss(model: nn.Module, batch) -> tuple:
     """(loss_sum, count) or (loss_sum, count, metric_sums) of one batch, for training and evaluation.
-    loss_sum is a SUM of losses and count what it sums over (an int or a 0-dim tensor): samples for a
-    classifier, real tokens for a language model. Every mean the script takes (the gradient, the
-    logged losses) is a sum over all micro-batches and ranks divided by theirs: exact, whatever the
-    world size. metric_sums: further sums that evaluation divides by the count (eval_accuracy).
-    `batch` is what collate_fn made of your items, already on the device."""
+    loss_sum is a SUM of losses and count what it sums over (an int or a 0-dim tensor): samples for a classifier,
+    real tokens for a language model. Every mean the script takes (the gradient, the logged losses) is a sum
+    over all micro-batches and ranks divided by theirs: exact, whatever the world size. metric_sums: further
+    sums that evaluation divides by the count (eval_accuracy). `batch`: collate_fn's batch, on the device."""
     inputs, targets = batch
     logits = model(inputs).float()
     loss_sum = F.cross_entropy(logits, targets, reduction="sum")
@@ -231,6 +230,7 @@ class Job:
     steps_per_epoch: int
     flops_per_sample: float | None  # training FLOPs (forward + backward), counted on the first batch
     agreement: Agreement  # what the ranks decide together at each step: stop, log, save
+    step_count: StepCount  # the step's count over all ranks: it rides in DDP's gradient all-reduce
     typical_count: float = 1.0  # the first batch's count: the scale of the sums that backward sees
 
 
@@ -259,20 +259,21 @@ def train(args, ctx: DistContext, agreement: Agreement) -> int:
 
     train_data = Loader(train_set, args.batch_size, ctx, args.workers, args.seed)
     flops, why_not = count_flops(model, train_data, args, ctx) if args.count_flops else (None, "")  # before DDP
-    ddp_model = wrap_model(model, args, ctx)
+    step_count = StepCount(ctx, agreement, args)  # the step's count over all ranks: it rides in DDP's all-reduce
+    ddp_model = wrap_model(model, args, ctx, step_count)
     job = Job(args, ctx, model, ddp_model, torch.compile(ddp_model) if args.compile else ddp_model,
               optimizer, scheduler, scaler,
               # DDP: each rank reads its own share of each epoch's shuffle; one process reads it all.
               DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed),
               train_data, Loader(eval_set, args.batch_size, ctx, args.workers, args.seed) if eval_set else None,
-              global_batch, steps_per_epoch, flops, agreement)
+              global_batch, steps_per_epoch, flops, agreement, step_count)
     warm_up(job)  # the first batch through DDP once, untrained: all-reduce buckets in the real order
     log_start(job, lr, why_not)
     with explain_unused_parameters(model, ctx):
         return train_loop(job, progress, checkpoints)
 
 
-def wrap_model(model: nn.Module, args, ctx: DistContext) -> nn.Module:
+def wrap_model(model: nn.Module, args, ctx: DistContext, step_count: StepCount) -> nn.Module:
     """DDP: wrap the model so that backward() also averages the gradients over all ranks."""
     if not ctx.distributed:
         return model
@@ -281,8 +282,7 @@ def wrap_model(model: nn.Module, args, ctx: DistContext) -> nn.Module:
     ddp_model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                     find_unused_parameters=args.find_unused_parameters,
                     gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets: one copy less
-    if args.grad_compression == "bf16":
-        ddp_model.register_comm_hook(None, bf16_allreduce_hook)
+    ddp_model.register_comm_hook(step_count, all_reduce_hook)  # DDP's mean; the last bucket carries the count
     return ddp_model
 
 
@@ -333,13 +333,13 @@ def train_step(job: Job, data, n_micro: int, stats: EpochStats) -> None:
                 loss_sum, n, _ = call_compute_loss(job.forward, next(data), ctx)
             count = count + n  # what this rank's losses sum over in this step: samples, tokens
             if last:
-                step_count = AsyncSum(count, ctx, job.agreement)  # DDP: every rank's count, summed in backward
+                job.step_count.set(count)  # DDP: summed over all ranks by this backward's gradient all-reduce
             job.scaler.scale(loss_sum / job.typical_count).backward()  # the sum: / the global count below
         stats.add(loss_sum, n)
     if n_micro == 0:  # DDP: none of the step's samples are here, but every rank joins both all-reduces
-        step_count = AsyncSum(0, ctx, job.agreement)
+        job.step_count.set(0)
         zero_gradient_backward(job.ddp_model)
-    stats.end_step(mean_gradients(job, step_count.wait()))  # DDP: sums / the global count, then clipped
+    stats.end_step(mean_gradients(job, job.step_count.total()))  # DDP: sums / the global count, then clipped
     job.scaler.step(job.optimizer)
     job.scaler.update()
     job.optimizer.zero_grad(set_to_none=True)
@@ -753,7 +753,7 @@ class Agreement:
     SIGUSR1, which torchrun, Kubernetes and SLURM's --signal send, or Ctrl-C), log a progress line, save
     a checkpoint (rank 0's clocks: --log-seconds, --save-minutes). Logging and saving are collectives,
     and the ranks' clocks and signals disagree, so each rank's flags() are summed over all ranks:
-    - on the CPU, riding on the step's count all-reduce (AsyncSum): this step's flags;
+    - on the CPU, riding with the step's count in DDP's gradient all-reduce (StepCount): this step's;
     - on GPUs that all-reduce stays on the device, so the flags go over gloo, and the agreement lags
       one step: each call starts an all-reduce of this rank's flags and reads the one started a step
       earlier, so it never waits on the network or the GPU.
@@ -782,7 +782,7 @@ class Agreement:
         return [float(self.received != 0), float(log_due), float(save_due)]
 
     def agree(self, totals: list[float]) -> None:
-        """Every rank's flags, summed in this step (the CPU path: from AsyncSum)."""
+        """Every rank's flags, summed in this step (the CPU path: from StepCount)."""
         self.agreed = totals
 
     def decide(self, step: int) -> tuple[bool, bool, bool]:
@@ -1046,29 +1046,67 @@ def my_share(sampler: DistributedSampler, ctx: DistContext) -> list[int]:
     return list(sampler)[: len(range(ctx.rank, len(sampler.dataset), ctx.world_size))]
 
 
-class AsyncSum:
-    """DDP: a count (an int, or a 0-dim tensor) summed over all ranks by an all-reduce that runs in the
-    background; wait() returns the sum: a float, or on a GPU a float64 tensor there (no host sync).
-    On the CPU the stop agreement's flags ride along in the same all-reduce: one collective a step."""
+class StepCount:
+    """DDP: the step's count (an int, or a 0-dim tensor) summed over all ranks without a collective of
+    its own: it rides in the all-reduce of DDP's last gradient bucket (all_reduce_hook), and on the CPU
+    the Agreement's flags ride with it. A scalar all-reduce of its own would cost a step a network round
+    trip (8% of the default task's 2 x 1 speed here). The count goes as three base-4096 digits, which a
+    float32 bucket sums exactly (whole counts below 2^36 a rank, up to 4,096 ranks); a bucket that
+    cannot carry them (bf16 or fp16 weights, --grad-compression bf16, more ranks) has them all-reduced
+    beside it, in float64. Every rank takes the same path: the buckets are the same on every rank."""
 
-    def __init__(self, value, ctx: DistContext, agreement: Agreement):
-        self.total, self.work, self.agreement = value, None, None
-        if not ctx.distributed:
-            return
-        if ctx.device.type == "cpu":
-            self.agreement = agreement
-            self.total = torch.tensor([float(value), *agreement.flags()], dtype=torch.float64)
-        else:
-            self.total = torch.as_tensor(value, dtype=torch.float64, device=ctx.device).reshape(1)
-        self.work = dist.all_reduce(self.total, async_op=True)  # SUM
+    def __init__(self, ctx: DistContext, agreement: Agreement, args):
+        self.ctx, self.agreement, self.compress = ctx, agreement, args.grad_compression == "bf16"
+        self.local = self.extra = self.summed = self.work = self.wire = None
 
-    def wait(self):
+    def set(self, count) -> None:
+        """This rank's count of the step, before the backward that all-reduces the gradients."""
+        self.local = count
+        if self.ctx.distributed:
+            flags = self.agreement.flags() if self.ctx.device.type == "cpu" else []
+            self.extra = count_digits(count, flags, self.ctx.device)
+
+    def carry(self, bucket) -> torch.Tensor | None:
+        """all_reduce_hook: what this bucket carries (the step's last: the digits), and the float64
+        all-reduce beside it where the bucket cannot carry them exactly."""
+        extra, self.extra = (self.extra, None) if bucket.is_last() else (None, self.extra)
+        if extra is not None and (self.compress or bucket.buffer().dtype not in (torch.float32, torch.float64)
+                                  or self.ctx.world_size > 4096):
+            self.summed, self.work = extra, dist.all_reduce(extra, async_op=True)  # SUM
+            return None
+        return extra
+
+    def wire_for(self, grads: torch.Tensor, extra: int) -> torch.Tensor:
+        if self.wire is None or self.wire.numel() != grads.numel() + extra or self.wire.dtype != grads.dtype:
+            self.wire = torch.empty(grads.numel() + extra, dtype=grads.dtype, device=grads.device)
+        return self.wire
+
+    def total(self):
+        """The step's count over all ranks, once backward has returned: a float, or on a GPU a float64
+        tensor there (no host sync). DDP waits for every bucket before backward returns."""
+        if not self.ctx.distributed:
+            return self.local
         if self.work is not None:
             self.work.wait()
-        if self.agreement is not None:
-            self.agreement.agree(self.total[1:].tolist())
-        total = self.total[0] if torch.is_tensor(self.total) and self.total.dim() else self.total
-        return float(total) if not torch.is_tensor(total) or total.device.type == "cpu" else total
+        summed, self.summed, self.work = self.summed.to(torch.float64), None, None
+        if self.ctx.device.type == "cpu":
+            summed = summed.tolist()
+            self.agreement.agree(summed[3:])
+        return summed[0] + 4096.0 * summed[1] + 2.0**24 * summed[2]
+
+
+def count_digits(count, flags: list[float], device: torch.device) -> torch.Tensor:
+    """A count as float64 [d0, d1, d2, *flags] with count = d0 + 4096 d1 + 2^24 d2, each digit below
+    4096 (d0 keeps any fraction): whole numbers that float32 sums exactly."""
+    if torch.is_tensor(count) and not flags:  # the GPU's path (its flags go over gloo): without waiting for it
+        c = count.detach().to(torch.float64).reshape(1)
+        high = torch.floor(c / 2.0**24)
+        middle = torch.floor(c / 4096.0)
+        return torch.cat([c - 4096.0 * middle, middle - 4096.0 * high, high])
+    c = float(count)
+    high, middle = math.floor(c / 2.0**24), math.floor(c / 4096.0)
+    return torch.tensor([c - 4096.0 * middle, middle - 4096.0 * high, high, *flags], dtype=torch.float64,
+                        device=device)
 
 
 def whole(x: float):
@@ -1857,20 +1895,29 @@ def autocast(args, ctx: DistContext):
     return torch.autocast(ctx.device.type, dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
 
 
-def bf16_allreduce_hook(process_group, bucket):
-    """DDP communication hook: average the gradient bucket in bfloat16. torch's own bf16 hook needs
-    NCCL (and DDP checks it by that hook's name, hence another name); this one works on gloo too.
-    Opt-in: it changes the numerics."""
-    group = process_group or dist.group.WORLD
-    compressed = bucket.buffer().to(torch.bfloat16).div_(group.size())
-    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+def all_reduce_hook(step_count: StepCount, bucket):  # (unannotated return: DDP refuses a string one)
+    """DDP communication hook: each gradient bucket's mean over the ranks, as DDP itself takes it
+    (divide by the world size, then all-reduce the sum), with the step's count riding in its last
+    bucket (StepCount). --grad-compression bf16 sends the buckets in bfloat16: torch's own bf16 hook
+    needs NCCL (and DDP checks it by that hook's name), this one works on gloo too. Opt-in: it
+    changes the numerics."""
+    grads, extra, world = bucket.buffer(), step_count.carry(bucket), dist.get_world_size()
+    if extra is not None:  # the gradients and the count in one buffer, kept from step to step (no page faults)
+        wire = step_count.wire_for(grads, len(extra))
+        torch.div(grads, world, out=wire[: grads.numel()])
+        wire[grads.numel() :] = extra
+    else:
+        wire = (grads.to(torch.bfloat16) if step_count.compress else grads).div_(world)
 
-    def decompress(fut):
-        buffer = bucket.buffer()
-        buffer.copy_(fut.value()[0])
-        return buffer
+    def unpack(fut):
+        summed = fut.value()[0]
+        if extra is not None:
+            step_count.summed, summed = summed[grads.numel():], summed[: grads.numel()]
+        if summed.data_ptr() != grads.data_ptr():
+            grads.copy_(summed)
+        return grads
 
-    return future.then(decompress)
+    return dist.all_reduce(wire, async_op=True).get_future().then(unpack)
 
 
 def build_scheduler(optimizer, warmup_steps: int, total_steps: int):
