@@ -541,6 +541,27 @@ def test_one_step_gradient_is_the_token_mean_over_every_rank_and_micro_batch(pro
     assert r.metrics[0]["grad_norm_max"] != pytest.approx(norm * tokens / 48, rel=0.5)
 
 
+@pytest.mark.fast
+def test_the_step_count_rides_in_a_float32_gradient_bucket_exactly_for_any_count_and_up_to_4096_ranks():
+    # The count crosses the network inside DDP's last gradient bucket, as three base-4096 digits in the
+    # bucket's float32: a sum over 4,096 ranks, in any order, stays exact where the count itself rounds.
+    cpu = torch.device("cpu")
+    for count in [0, 1, 12.5, 4095, 4096, 2**24 - 1, 2**24 + 1, 2**30 + 12345, 2**36 - 1]:
+        for as_given in (count, torch.tensor(count)):  # an int or float (the CPU), a tensor (the GPU's path)
+            digits = ddp_train.count_digits(as_given, [], cpu)
+            assert digits.dtype == torch.float64 and all(0 <= d < 4096 for d in digits.tolist()), (count, digits)
+            assert digits[0] + 4096 * digits[1] + 2**24 * digits[2] == count
+    assert ddp_train.count_digits(7, [1.0, 0.0, 1.0], cpu).tolist() == [7, 0, 0, 1, 0, 1]  # the CPU's flags ride too
+    counts = torch.randint(2**35, 2**36, (4096,), dtype=torch.float64)
+    digits = torch.stack([ddp_train.count_digits(int(c), [], cpu) for c in counts]).float()
+    summed = torch.zeros(3)
+    for rank_digits in digits[torch.randperm(4096)]:  # float32 sums, one rank at a time, in any order
+        summed += rank_digits
+    summed = summed.double()
+    assert summed[0] + 4096 * summed[1] + 2**24 * summed[2] == counts.sum()
+    assert counts.float().sum().double() != counts.sum()  # negative control: the counts themselves in float32
+
+
 def test_lm_two_ranks_with_accumulation_match_one_process_on_variable_length_batches(project, tmp_path):
     # 2 x 8 x accum 2 == 1 x 32 on 200 functions of unequal lengths (a short last step too). Each
     # micro-batch is padded to its own longest sample, so the matmuls have other shapes than in the
@@ -562,6 +583,26 @@ def test_lm_two_ranks_with_accumulation_match_one_process_on_variable_length_bat
     other = run(lm_cmd(project, "python", *common, "--batch-size", 16), tmp_path, out="other", env=env)
     with pytest.raises(AssertionError):
         assert_same_run(other.weights, one.weights)
+
+
+def test_lm_global_batch_with_drop_last_is_the_same_run_on_one_rank_or_two(project, tmp_path):
+    # --global-batch 32 --drop-last on 200 functions of unequal lengths: 6 full steps an epoch, the last 8
+    # samples sitting out, whatever the world size. One rank takes 4 micro-batches of 8 a step, two take 2
+    # each; both must be the one-process batch of 32 (assert_same_run's tolerance, as above: the padding
+    # shapes differ).
+    common = ["--epochs", 2, "--lr", "3e-3", "--global-batch", 32, "--batch-size", 8, "--drop-last"]
+    env = clean_env(**{**LM_EXACT, "LM_TRAIN_SIZE": 200, "LM_EVAL_SIZE": 40})
+    two = run(lm_cmd(project, "torchrun 2", *common), tmp_path, out="two", env=env)
+    one = run(lm_cmd(project, "python", *common), tmp_path, out="one", env=env)
+    plain = run(lm_cmd(project, "python", *common[:4], "--batch-size", 32, "--drop-last"), tmp_path, out="plain",
+                env=env)
+    for r in (two, one):
+        assert_same_run(r.weights, plain.weights)
+        assert [(m["step"], m["train_samples"]) for m in r.metrics] == [(6, 192), (12, 192)]
+        for a, b in zip(r.metrics, plain.metrics):
+            assert a["train_tokens"] == b["train_tokens"]
+            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+    assert "8/process x 2 x 2 accum" in two.stdout and "8/process x 1 x 4 accum" in one.stdout, (two.stdout, one.stdout)
 
 
 def test_lm_stopped_mid_epoch_resumes_bit_identical_with_dropout_and_workers(project, tmp_path, reference):
@@ -706,6 +747,20 @@ def test_batchnorm_with_a_one_sample_micro_batch_stops_before_training_and_names
     # --drop-last trains the full global batches only.
     r = run([*cmd, "--drop-last"], tmp_path, out="dropped")
     assert [m["train_samples"] for m in r.metrics] == [64 if launch == "python" else 128] * 3
+
+
+@pytest.mark.parametrize("launch, per_process, held", [("python", 718, 718 * 2), ("torchrun", 239, 478 * 3)])
+def test_batchnorm_one_sample_line_and_drop_last_on_a_user_cnn(project, tmp_path, launch, per_process, held):
+    # examples/digits.py: a CNN with BatchNorm on 1,437 samples. 1 x 718 leaves the last step one sample;
+    # 2 x 239 gives rank 1 one in the last step (1,437 = 3 x 478 + 3: ranks 0 and 1 get 2 and 1).
+    cmd = digits_cmd(project, launch, "--batch-size", per_process, "--eval-samples", 0)
+    r = run(cmd, tmp_path, expect=2 if launch == "python" else 1)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("ddp_train.py: error:")]
+    assert len(errors) == 1 and "a micro-batch of one sample" in errors[0] and "pass --drop-last" in errors[0], r
+    assert "rank 0 one" in errors[0] if launch == "python" else "rank 1 one" in errors[0], r
+    assert "Expected more than 1 value" not in r.stderr and not (tmp_path / "out" / "checkpoint.pt").exists()
+    r = run([*cmd, "--drop-last"], tmp_path, out="dropped")
+    assert [m["train_samples"] for m in r.metrics] == [held] * 2
 
 
 def test_drop_last_drops_the_same_samples_in_n_by_b_and_one_by_nb(tmp_path, reference):
