@@ -336,7 +336,7 @@ def train_step(job: Job, data, n_micro: int, stats: EpochStats) -> None:
                 job.step_count.set(count)  # DDP: summed over all ranks by this backward's gradient all-reduce
             job.scaler.scale(loss_sum / job.typical_count).backward()  # the sum: / the global count below
         stats.add(loss_sum, n)
-    if n_micro == 0:  # DDP: none of the step's samples are here, but every rank joins both all-reduces
+    if n_micro == 0:  # DDP: none of the step's samples are here, but every rank joins the all-reduce
         job.step_count.set(0)
         zero_gradient_backward(job.ddp_model)
     stats.end_step(mean_gradients(job, job.step_count.total()))  # DDP: sums / the global count, then clipped
@@ -1067,8 +1067,8 @@ class StepCount:
             self.extra = count_digits(count, flags, self.ctx.device)
 
     def carry(self, bucket) -> torch.Tensor | None:
-        """all_reduce_hook: what this bucket carries (the step's last: the digits), and the float64
-        all-reduce beside it where the bucket cannot carry them exactly."""
+        """For all_reduce_hook: the digits if this is the step's last bucket and it can sum them exactly,
+        else None; where it cannot, they go in a float64 all-reduce of their own, started here."""
         extra, self.extra = (self.extra, None) if bucket.is_last() else (None, self.extra)
         if extra is not None and (self.compress or bucket.buffer().dtype not in (torch.float32, torch.float64)
                                   or self.ctx.world_size > 4096):
@@ -1077,6 +1077,7 @@ class StepCount:
         return extra
 
     def wire_for(self, grads: torch.Tensor, extra: int) -> torch.Tensor:
+        """The buffer that the last bucket and the digits cross the network in, kept from step to step."""
         if self.wire is None or self.wire.numel() != grads.numel() + extra or self.wire.dtype != grads.dtype:
             self.wire = torch.empty(grads.numel() + extra, dtype=grads.dtype, device=grads.device)
         return self.wire
@@ -1086,6 +1087,9 @@ class StepCount:
         tensor there (no host sync). DDP waits for every bucket before backward returns."""
         if not self.ctx.distributed:
             return self.local
+        if self.summed is None:  # (a backward that DDP's reducer did not run: nothing carried the count)
+            raise RuntimeError("the step's count was not all-reduced: its backward did not run DDP's all-reduce hook")
+        self.extra = None
         if self.work is not None:
             self.work.wait()
         summed, self.summed, self.work = self.summed.to(torch.float64), None, None
@@ -1097,9 +1101,9 @@ class StepCount:
 
 def count_digits(count, flags: list[float], device: torch.device) -> torch.Tensor:
     """A count as float64 [d0, d1, d2, *flags] with count = d0 + 4096 d1 + 2^24 d2, each digit below
-    4096 (d0 keeps any fraction): whole numbers that float32 sums exactly."""
+    4096: whole numbers that float32 sums exactly (a fraction, kept in d0, to float32's rounding)."""
     if torch.is_tensor(count) and not flags:  # the GPU's path (its flags go over gloo): without waiting for it
-        c = count.detach().to(torch.float64).reshape(1)
+        c = count.detach().to(device=device, dtype=torch.float64).reshape(1)
         high = torch.floor(c / 2.0**24)
         middle = torch.floor(c / 4096.0)
         return torch.cat([c - 4096.0 * middle, middle - 4096.0 * high, high])
@@ -1897,17 +1901,17 @@ def autocast(args, ctx: DistContext):
 
 def all_reduce_hook(step_count: StepCount, bucket):  # (unannotated return: DDP refuses a string one)
     """DDP communication hook: each gradient bucket's mean over the ranks, as DDP itself takes it
-    (divide by the world size, then all-reduce the sum), with the step's count riding in its last
-    bucket (StepCount). --grad-compression bf16 sends the buckets in bfloat16: torch's own bf16 hook
-    needs NCCL (and DDP checks it by that hook's name), this one works on gloo too. Opt-in: it
-    changes the numerics."""
-    grads, extra, world = bucket.buffer(), step_count.carry(bucket), dist.get_world_size()
+    (multiply by 1 / world size, then all-reduce the sum: reducer.cpp's mark_variable_ready_dense), with
+    the step's count riding in its last bucket (StepCount). --grad-compression bf16 (opt-in: it changes
+    the numerics) sends the buckets in bfloat16: torch's own bf16 hook needs NCCL (and DDP checks it by
+    that hook's name), this one works on gloo too."""
+    grads, extra, share = bucket.buffer(), step_count.carry(bucket), 1.0 / dist.get_world_size()
     if extra is not None:  # the gradients and the count in one buffer, kept from step to step (no page faults)
         wire = step_count.wire_for(grads, len(extra))
-        torch.div(grads, world, out=wire[: grads.numel()])
+        torch.mul(grads, share, out=wire[: grads.numel()])
         wire[grads.numel() :] = extra
     else:
-        wire = (grads.to(torch.bfloat16) if step_count.compress else grads).div_(world)
+        wire = (grads.to(torch.bfloat16) if step_count.compress else grads).mul_(share)
 
     def unpack(fut):
         summed = fut.value()[0]
