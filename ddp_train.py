@@ -1046,6 +1046,9 @@ def my_share(sampler: DistributedSampler, ctx: DistContext) -> list[int]:
     return list(sampler)[: len(range(ctx.rank, len(sampler.dataset), ctx.world_size))]
 
 
+COUNT_DIGIT = 4096  # the base of the count's digits: float32 sums 4,096 numbers below 4,096 exactly
+
+
 class StepCount:
     """DDP: the step's count (an int, or a 0-dim tensor) summed over all ranks without a collective of
     its own: it rides in the all-reduce of DDP's last gradient bucket (all_reduce_hook), and on the CPU
@@ -1071,7 +1074,7 @@ class StepCount:
         else None; where it cannot, they go in a float64 all-reduce of their own, started here."""
         extra, self.extra = (self.extra, None) if bucket.is_last() else (None, self.extra)
         if extra is not None and (self.compress or bucket.buffer().dtype not in (torch.float32, torch.float64)
-                                  or self.ctx.world_size > 4096):
+                                  or self.ctx.world_size > COUNT_DIGIT):
             self.summed, self.work = extra, dist.all_reduce(extra, async_op=True)  # SUM
             return None
         return extra
@@ -1089,14 +1092,13 @@ class StepCount:
             return self.local
         if self.summed is None:  # (a backward that DDP's reducer did not run: nothing carried the count)
             raise RuntimeError("the step's count was not all-reduced: its backward did not run DDP's all-reduce hook")
-        self.extra = None
         if self.work is not None:
             self.work.wait()
         summed, self.summed, self.work = self.summed.to(torch.float64), None, None
         if self.ctx.device.type == "cpu":
             summed = summed.tolist()
             self.agreement.agree(summed[3:])
-        return summed[0] + 4096.0 * summed[1] + 2.0**24 * summed[2]
+        return summed[0] + COUNT_DIGIT * summed[1] + COUNT_DIGIT**2 * summed[2]
 
 
 def count_digits(count, flags: list[float], device: torch.device) -> torch.Tensor:
@@ -1104,12 +1106,11 @@ def count_digits(count, flags: list[float], device: torch.device) -> torch.Tenso
     4096: whole numbers that float32 sums exactly (a fraction, kept in d0, to float32's rounding)."""
     if torch.is_tensor(count) and not flags:  # the GPU's path (its flags go over gloo): without waiting for it
         c = count.detach().to(device=device, dtype=torch.float64).reshape(1)
-        high = torch.floor(c / 2.0**24)
-        middle = torch.floor(c / 4096.0)
-        return torch.cat([c - 4096.0 * middle, middle - 4096.0 * high, high])
+        high, middle = torch.floor(c / COUNT_DIGIT**2), torch.floor(c / COUNT_DIGIT)
+        return torch.cat([c - COUNT_DIGIT * middle, middle - COUNT_DIGIT * high, high])
     c = float(count)
-    high, middle = math.floor(c / 2.0**24), math.floor(c / 4096.0)
-    return torch.tensor([c - 4096.0 * middle, middle - 4096.0 * high, high, *flags], dtype=torch.float64,
+    high, middle = math.floor(c / COUNT_DIGIT**2), math.floor(c / COUNT_DIGIT)
+    return torch.tensor([c - COUNT_DIGIT * middle, middle - COUNT_DIGIT * high, high, *flags], dtype=torch.float64,
                         device=device)
 
 
