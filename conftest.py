@@ -403,6 +403,43 @@ ddp_train.build_datasets = build_datasets
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
+    # digits.py (its Dataset augments with torch, Python's random and numpy; stopper.py's tripwire) with
+    # mixup in compute_loss: a lambda from Python's random, a pairing from numpy, drawn in the training
+    # process. MIXUP_LOG=path: each rank appends every training step's (lambda, pairing) to path.RANK
+    # (not those of ddp_train's passes over the first batch before training).
+    "mixup.py": """
+import json
+import os
+import random
+import sys
+import numpy as np
+import torch
+import torch.nn.functional as F
+import ddp_train
+import stopper  # digits' data and model, with the tripwire
+
+
+def compute_loss(model, batch):
+    images, labels = batch
+    if not model.training:
+        logits = model(images)
+        return F.cross_entropy(logits, labels, reduction="sum"), len(labels), {"accuracy": (logits.argmax(1) == labels).sum()}
+    lam = random.random()
+    perm = np.random.permutation(len(labels))
+    if "MIXUP_LOG" in os.environ and not stopper.before_training():
+        with open(f"{os.environ['MIXUP_LOG']}.{os.environ.get('RANK', 0)}", "a") as f:
+            f.write(json.dumps([lam, perm.tolist()]) + "\\n")
+    pair = torch.from_numpy(perm)
+    logits = model(lam * images + (1 - lam) * images[pair])
+    loss = (lam * F.cross_entropy(logits, labels, reduction="sum")
+            + (1 - lam) * F.cross_entropy(logits, labels[pair], reduction="sum"))
+    return loss, len(labels)
+
+
+ddp_train.compute_loss = compute_loss
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
     # digits.py with a tripwire: at its STOP_AT-th training forward, rank STOP_RANK sends STOP_SIGNAL
     # to itself, its process group or its parent (STOP_TARGET); STOP_AGAIN_AFTER seconds later, again.
     # First launches only (not after a torchrun restart). RECORD_RNG=path: each rank writes its
@@ -581,6 +618,36 @@ class WithSpare(nn.Module):
 
 
 ddp_train.build_model = WithSpare
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # A head that only every third training forward uses: every rank leaves its parameters without a
+    # gradient in two steps of three (ddp_train's passes over the first batch and evaluation: never).
+    "sometimes.py": """
+import sys
+import torch.nn as nn
+import ddp_train
+import digits
+import stopper
+
+
+class SometimesHead(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.body, self.forwards = digits.build_model(args), 0
+        self.extra = nn.Linear(self.body[-1].in_features, 10)
+
+    def forward(self, images):
+        features = self.body[:-1](images)
+        logits = self.body[-1](features)
+        if self.training and not stopper.before_training():
+            self.forwards += 1
+            if self.forwards % 3 == 0:
+                logits = logits + self.extra(features)
+        return logits
+
+
+ddp_train.build_model = SometimesHead
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
@@ -806,8 +873,8 @@ class Reversed(nn.Module):
         return self.head(x)
 
 
-def wrap_model(model, args, ctx, step_count, wrap=ddp_train.wrap_model):
-    wrapped["ddp"] = wrap(model, args, ctx, step_count)
+def wrap_model(model, args, ctx, wrap=ddp_train.wrap_model):
+    wrapped["ddp"] = wrap(model, args, ctx)
     return wrapped["ddp"]
 
 

@@ -37,6 +37,7 @@ import socket
 import sys
 import time
 import traceback
+import zipfile
 
 import torch
 import torch.distributed as dist
@@ -147,7 +148,7 @@ class DistContext:
     distributed: bool = False  # False: one process, no process group, the same code path
     launcher: str = "python"
     backend: str = "none"
-    control_group: object = None  # gloo, for small control messages that must not touch a GPU
+    control_group: object = None  # gloo, for small control messages beside training's (no GPU involved)
     patient_group: object = None  # gloo, for waiting on rank 0's own work (a checkpoint write)
     timeout: datetime.timedelta = datetime.timedelta(minutes=30)  # --timeout: how long a collective waits
 
@@ -182,7 +183,7 @@ def init_distributed(args) -> DistContext:
         fail(f"rank {rank} could not join the {world}-process group at {rendezvous_address(args)} within "
              f"{args.timeout:g}s: {first_line(exc)}", code=1)
     ctx.distributed, ctx.backend, ctx.timeout = True, backend, timeout
-    ctx.control_group = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    ctx.control_group = dist.new_group(backend="gloo", timeout=timeout)
     ctx.patient_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
     return ctx
 
@@ -192,13 +193,6 @@ def cleanup_distributed(ctx: DistContext) -> None:
     release_before_teardown()
     if ctx.distributed and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-    """DDP: sum a tensor over all ranks, in place. SUM, never AVG: AVG is unreliable on gloo."""
-    if ctx.distributed:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values
 
 
 def log(ctx: DistContext, message: str, error: bool = False) -> None:
@@ -223,14 +217,16 @@ class Job:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
+    state: dict  # every stateful part by name (model, optimizer, ...): what a checkpoint saves and restores
     sampler: DistributedSampler
     train_data: Loader
     eval_data: Loader | None
     global_batch: int
     steps_per_epoch: int
     flops_per_sample: float | None  # training FLOPs (forward + backward), counted on the first batch
+    peak_flops: float | None  # all GPUs' peak FLOP/s at the precision the model runs in, for MFU
     agreement: Agreement  # what the ranks decide together at each step: stop, log, save
-    step_count: StepCount  # the step's count over all ranks: it rides in DDP's gradient all-reduce
+    step_count: StepCount  # the step's count over all ranks: one small all-reduce beside backward
     typical_count: float = 1.0  # the first batch's count: the scale of the sums that backward sees
 
 
@@ -251,29 +247,32 @@ def train(args, ctx: DistContext, agreement: Agreement) -> int:
     check_batchnorm_batch_sizes(model, len(train_set), global_batch, steps_per_epoch, args, ctx)
     scheduler = build_scheduler(optimizer, args.warmup_steps, args.epochs * steps_per_epoch)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")  # fp16 only: loss scaling
+    progress = Progress()
+    # Everything a checkpoint saves and restores, by name: one more stateful part is one more line here.
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
+             "progress": progress, "rng": RankRNG(ctx, args.seed, progress)}
 
     checkpoints = Checkpoints(args, ctx, train_set, eval_set, lr, global_batch)
-    progress = checkpoints.resume(model, optimizer, scheduler, scaler, steps_per_epoch)
+    checkpoints.resume(state, steps_per_epoch)
     if progress.epoch >= args.epochs:
         return checkpoints.finished(model)
 
     train_data = Loader(train_set, args.batch_size, ctx, args.workers, args.seed)
     flops, why_not = count_flops(model, train_data, args, ctx) if args.count_flops else (None, "")  # before DDP
-    step_count = StepCount(ctx, agreement, args)  # the step's count over all ranks: it rides in DDP's all-reduce
-    ddp_model = wrap_model(model, args, ctx, step_count)
+    ddp_model = wrap_model(model, args, ctx)
     job = Job(args, ctx, model, ddp_model, torch.compile(ddp_model) if args.compile else ddp_model,
-              optimizer, scheduler, scaler,
+              optimizer, scheduler, scaler, state,
               # DDP: each rank reads its own share of each epoch's shuffle; one process reads it all.
               DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed),
               train_data, Loader(eval_set, args.batch_size, ctx, args.workers, args.seed) if eval_set else None,
-              global_batch, steps_per_epoch, flops, agreement, step_count)
+              global_batch, steps_per_epoch, flops, peak_flops(args, ctx, model), agreement, StepCount(ctx))
     warm_up(job)  # the first batch through DDP once, untrained: all-reduce buckets in the real order
     log_start(job, lr, why_not)
-    with explain_unused_parameters(model, ctx):
+    with explain_unused_parameters(ctx):
         return train_loop(job, progress, checkpoints)
 
 
-def wrap_model(model: nn.Module, args, ctx: DistContext, step_count: StepCount) -> nn.Module:
+def wrap_model(model: nn.Module, args, ctx: DistContext) -> nn.Module:
     """DDP: wrap the model so that backward() also averages the gradients over all ranks."""
     if not ctx.distributed:
         return model
@@ -282,7 +281,8 @@ def wrap_model(model: nn.Module, args, ctx: DistContext, step_count: StepCount) 
     ddp_model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                     find_unused_parameters=args.find_unused_parameters,
                     gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets: one copy less
-    ddp_model.register_comm_hook(step_count, all_reduce_hook)  # DDP's mean; the last bucket carries the count
+    if args.grad_compression == "bf16":
+        ddp_model.register_comm_hook(None, bf16_compress_hook)  # opt-in: half the bytes, other numerics
     return ddp_model
 
 
@@ -305,7 +305,7 @@ def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints) -> int:
             if log_now:  # rank 0 only
                 stats.log_progress(progress, job)
             if stopping or save_now:
-                checkpoints.save(job, progress)  # rank 0 writes, every rank waits for it
+                checkpoints.save(job)  # rank 0 writes, every rank waits for it
             if stopping:
                 return job.agreement.stopped(progress, args.out_dir)
         # --- end of epoch: all ranks ---
@@ -316,7 +316,7 @@ def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints) -> int:
             record.update(evaluate(job.model, job.eval_data, args, ctx))
         progress.next_epoch()
         write_metrics(record, args, ctx)  # rank 0 only
-        checkpoints.save(job, progress)  # rank 0 writes, every rank waits for it
+        checkpoints.save(job)  # rank 0 writes, every rank waits for it
     job.agreement.close()
     save_model(job.model, progress, args, ctx, stats.summary())
     return 0
@@ -333,11 +333,11 @@ def train_step(job: Job, data, n_micro: int, stats: EpochStats) -> None:
                 loss_sum, n, _ = call_compute_loss(job.forward, next(data), ctx)
             count = count + n  # what this rank's losses sum over in this step: samples, tokens
             if last:
-                job.step_count.set(count)  # DDP: summed over all ranks by this backward's gradient all-reduce
+                job.step_count.start(count)  # DDP: summed over all ranks while this backward runs
             job.scaler.scale(loss_sum / job.typical_count).backward()  # the sum: / the global count below
         stats.add(loss_sum, n)
-    if n_micro == 0:  # DDP: none of the step's samples are here, but every rank joins the all-reduce
-        job.step_count.set(0)
+    if n_micro == 0:  # DDP: none of the step's samples are here, but every rank joins the all-reduces
+        job.step_count.start(0)
         zero_gradient_backward(job.ddp_model)
     stats.end_step(mean_gradients(job, job.step_count.total()))  # DDP: sums / the global count, then clipped
     job.scaler.step(job.optimizer)
@@ -455,7 +455,7 @@ def add_machinery_arguments(p: argparse.ArgumentParser) -> None:
 # Checkpoints and exact resume
 # ============================================================================
 
-CHECKPOINT_FORMAT = "ddp_train.checkpoint/1"
+CHECKPOINT_FORMAT = "ddp_train.checkpoint/2"  # /2: each stateful part under its own name
 RANK_STREAM = -2  # mixed with --seed and the rank: each rank's own random stream for the model
 
 
@@ -474,6 +474,35 @@ class Progress:
 
     def next_epoch(self):
         self.epoch, self.step_in_epoch, self.loss_sum, self.samples, self.count = self.epoch + 1, 0, 0.0, 0, 0.0
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+
+
+class RankRNG:
+    """Every rank's random generators (torch, CUDA, Python, numpy) as a stateful part: state_dict()
+    gathers all ranks' states (every rank calls it), load_state_dict() restores this rank's. A new
+    world size fits no saved stream: each rank then gets a fresh, deterministic one."""
+
+    def __init__(self, ctx: DistContext, seed: int, progress: Progress):
+        self.ctx, self.seed, self.progress = ctx, seed, progress
+
+    def state_dict(self) -> list[dict]:
+        if not self.ctx.distributed:
+            return [rng_state(self.ctx.device)]
+        states = [None] * self.ctx.world_size
+        dist.all_gather_object(states, rng_state(self.ctx.device), group=self.ctx.control_group)
+        return states
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        if len(states) == self.ctx.world_size:
+            set_rng_state(states[self.ctx.rank], self.ctx.device)
+        else:
+            seed_everything(mix_seed(self.seed, RANK_STREAM, self.ctx.rank, self.progress.step))
 
 
 class Checkpoints:
@@ -494,30 +523,22 @@ class Checkpoints:
         if ctx.is_main:
             os.makedirs(args.out_dir, exist_ok=True)
 
-    def resume(self, model, optimizer, scheduler, scaler, steps_per_epoch: int) -> Progress:
-        """Load the checkpoint to continue from, if any, into the training objects."""
-        found = load_checkpoint(self.args, self.ctx)
+    def resume(self, state: dict, steps_per_epoch: int) -> None:
+        """Load the checkpoint to continue from, if any, into every stateful part."""
+        found, progress = load_checkpoint(self.args, self.ctx), state["progress"]
         if not found:
             if self.args.init_from:
-                init_weights(model, self.args.init_from, self.ctx)
-            start_metrics_file(self.args.out_dir, Progress(), self.ctx)
-            return Progress()
+                init_weights(state["model"], self.args.init_from, self.ctx)
+            start_metrics_file(self.args.out_dir, progress, self.ctx)
+            return
         ckpt, path = found
-        check_same_model(ckpt["model"], model, path, self.ctx)
+        check_same_model(ckpt["model"], state["model"], path, self.ctx)
         self.check_same_run(ckpt["config"], path)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        scaler.load_state_dict(ckpt["scaler"])
-        progress = Progress(ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"], ckpt["loss_sum"], ckpt["samples"],
-                            ckpt.get("count", ckpt["samples"]))  # (a checkpoint from before counts: samples)
-        if ckpt["world_size"] == self.ctx.world_size:
-            restore_rng(ckpt["rng"][self.ctx.rank], self.ctx)
-        else:  # no saved stream fits a new world size: a fresh, deterministic one per rank
-            seed_everything(mix_seed(self.args.seed, RANK_STREAM, self.ctx.rank, progress.step))
+        for name, part in state.items():  # in order: "rng" reads the progress restored before it
+            part.load_state_dict(ckpt[name])
         agree_on_resume_point(progress, self.ctx)
         if progress.epoch < self.args.epochs:
-            self.follow_new_epochs(ckpt["config"].get("epochs"), optimizer, scheduler, steps_per_epoch)
+            self.follow_new_epochs(ckpt["config"]["epochs"], state["optimizer"], state["scheduler"], steps_per_epoch)
             log(self.ctx, f"resumed from {path} at epoch {progress.epoch + 1}, step {progress.step_in_epoch}/"
                           f"{steps_per_epoch} ({progress.step} optimizer steps done, saved by world size "
                           f"{ckpt['world_size']})")
@@ -526,10 +547,8 @@ class Checkpoints:
             log(self.ctx, f"{path} holds a finished run ({progress.epoch} epochs, {progress.step} steps): nothing "
                           "to train. Raise --epochs to train on, or start over with --resume never or another "
                           "--out-dir")
-        return progress
 
     def check_same_run(self, saved: dict, path: str) -> None:
-        saved = {"drop_last": False, **saved}  # (checkpoints from before --drop-last)
         differences = [f"{key} {saved.get(key)} -> {value}" for key, value in self.config.items()
                        if saved.get(key) != value]
         if differences:
@@ -542,24 +561,21 @@ class Checkpoints:
 
     def follow_new_epochs(self, saved_epochs: int, optimizer, scheduler, steps_per_epoch: int) -> None:
         """--epochs changed: the learning-rate schedule is stretched over the new total from here on."""
-        if saved_epochs in (None, self.args.epochs):
+        if saved_epochs == self.args.epochs:
             return
         for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs):
             group["lr"] = base_lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
         log(self.ctx, f"--epochs {saved_epochs} -> {self.args.epochs}: the learning-rate schedule now spans "
                       f"{self.args.epochs} epochs ({self.args.epochs * steps_per_epoch} steps)")
 
-    def save(self, job: Job, progress: Progress) -> None:
-        """All ranks: gather every rank's RNG states; rank 0 writes; everyone waits for the write."""
-        rng = gather_rng_states(self.ctx)
-        check_finite(job.model, f"the weights after step {progress.step}", self.ctx)  # the same on every rank
+    def save(self, job: Job) -> None:
+        """All ranks: every stateful part's state (the RNG's gathers every rank's); rank 0 writes; everyone
+        waits for the write."""
+        state = {name: part.state_dict() for name, part in job.state.items()}  # the raw module: no prefixes
+        check_finite(job.model, f"the weights after step {job.state['progress'].step}", self.ctx)
         if self.ctx.is_main:
-            state = {"format": CHECKPOINT_FORMAT, "model": job.model.state_dict(),  # the raw module: no prefixes
-                     "optimizer": job.optimizer.state_dict(), "scheduler": job.scheduler.state_dict(),
-                     "scaler": job.scaler.state_dict(), **dataclasses.asdict(progress),
-                     "config": {**self.config, "epochs": self.args.epochs}, "world_size": self.ctx.world_size,
-                     "rng": rng}
-            atomic_save(state, self.path, keep_previous=self.prev)
+            atomic_save({"format": CHECKPOINT_FORMAT, "config": {**self.config, "epochs": self.args.epochs},
+                         "world_size": self.ctx.world_size, **state}, self.path, keep_previous=self.prev)
         wait_for_rank0(self.ctx)  # a write longer than --timeout must not look like a dead peer
         job.agreement.saved()  # --save-minutes counts from here
 
@@ -634,18 +650,20 @@ def load_to_cpu(path: str, ctx: DistContext) -> dict:
     """A checkpoint's tensors on the CPU; load_state_dict then copies them into place."""
     # Trap: map_location. Without it every rank loads onto the GPU that saved; with map_location=cuda
     # each GPU holds the whole checkpoint beside the model until load_state_dict is done: OOM.
-    return torch.load(path, **checkpoint_load_options(ctx.device.type))
+    return torch.load(path, **checkpoint_load_options(ctx.device.type, path))
 
 
-def checkpoint_load_options(device_type: str) -> dict:
+def checkpoint_load_options(device_type: str, path: str) -> dict:
     """Onto the CPU always; memory-mapped when training on GPUs: the ranks of a node then share the
     file's pages instead of each reading a private copy, and load_state_dict moves each tensor to its
     GPU. Not when training on the CPU: there Optimizer.load_state_dict keeps the loaded tensors as
     they are (Tensor.to copies nothing), so AdamW's moments would stay in the mapping and hold the
     whole file for the rest of the run; copying them out costs more at the peak than a plain read
     (measured with a 426 MB checkpoint and 2 ranks: +136 MiB peak RSS a rank either way; the storage
-    reads are the same, once per node, as the page cache already shares the file)."""
-    return {"map_location": "cpu", "mmap": device_type != "cpu", "weights_only": True}
+    reads are the same, once per node, as the page cache already shares the file). Trap: only torch's
+    zip format maps; a legacy file (torch.save(..., _use_new_zipfile_serialization=False), or torch < 1.6)
+    makes torch.load(mmap=True) raise (serialization.py), so it is read."""
+    return {"map_location": "cpu", "mmap": device_type != "cpu" and zipfile.is_zipfile(path), "weights_only": True}
 
 
 def init_weights(model: nn.Module, path: str, ctx: DistContext) -> None:
@@ -674,29 +692,26 @@ def check_same_model(saved: dict, model: nn.Module, path: str, ctx: DistContext)
              "with --resume never or another --out-dir", ctx=ctx)
 
 
-def gather_rng_states(ctx: DistContext) -> list[dict]:
-    """Every rank's RNG states (torch, CUDA, Python, numpy), gathered for rank 0 to save."""
+def rng_state(device: torch.device) -> dict:
+    """This process's random generators: torch, CUDA, Python's random and numpy (as plain values, which
+    a weights_only load reads)."""
     rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if numpy is not None:
         kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
-        rng["numpy"] = [kind, keys.tolist(), pos, has_gauss, gauss]  # plain values: weights_only loads them
-    if ctx.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(ctx.device)
-    if not ctx.distributed:
-        return [rng]
-    states = [None] * ctx.world_size
-    dist.all_gather_object(states, rng, group=ctx.control_group)
-    return states
+        rng["numpy"] = [kind, keys.tolist(), pos, has_gauss, gauss]
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
 
 
-def restore_rng(rng: dict, ctx: DistContext) -> None:
+def set_rng_state(rng: dict, device: torch.device) -> None:
     random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in rng["python"]))
     torch.set_rng_state(rng["torch"].cpu())
     if numpy is not None and "numpy" in rng:
         kind, keys, pos, has_gauss, gauss = rng["numpy"]
         numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, gauss))
-    if "cuda" in rng and ctx.device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"].cpu(), ctx.device)
+    if "cuda" in rng and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
 
 
 def agree_on_resume_point(progress: Progress, ctx: DistContext) -> None:
@@ -752,17 +767,16 @@ class Agreement:
     """What every rank decides together after each optimizer step: stop (a signal arrived: SIGTERM and
     SIGUSR1, which torchrun, Kubernetes and SLURM's --signal send, or Ctrl-C), log a progress line, save
     a checkpoint (rank 0's clocks: --log-seconds, --save-minutes). Logging and saving are collectives,
-    and the ranks' clocks and signals disagree, so each rank's flags() are summed over all ranks:
-    - on the CPU, riding with the step's count in DDP's gradient all-reduce (StepCount): this step's;
-    - on GPUs that all-reduce stays on the device, so the flags go over gloo, and the agreement lags
-      one step: each call starts an all-reduce of this rank's flags and reads the one started a step
-      earlier, so it never waits on the network or the GPU.
+    and the ranks' clocks and signals disagree, so each rank's flags() are summed over all ranks, on
+    every device alike: each step starts an all-reduce of this rank's flags over gloo and reads the one
+    started a step earlier, long done by then. It never waits on the network or a GPU, and what it
+    decides is one step late: a stop, a progress line or a save comes one step after it was due.
     A signal handler runs no collective (trap: a collective inside a handler deadlocks): it only sets
     a flag. A second Ctrl-C, a second or more after the first, stops at once, without saving."""
 
     def __init__(self, ctx: DistContext, args):
         self.ctx, self.args, self.received, self.received_at, self.pending = ctx, args, 0, 0.0, None
-        self.flag, self.agreed = torch.zeros(3), None
+        self.flag = torch.zeros(3)
         self.logged_at = self.saved_at = time.monotonic()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handler)
@@ -781,10 +795,6 @@ class Agreement:
         save_due = clock and self.args.save_minutes > 0 and now - self.saved_at >= 60 * self.args.save_minutes
         return [float(self.received != 0), float(log_due), float(save_due)]
 
-    def agree(self, totals: list[float]) -> None:
-        """Every rank's flags, summed in this step (the CPU path: from StepCount)."""
-        self.agreed = totals
-
     def decide(self, step: int) -> tuple[bool, bool, bool]:
         """(stop, log, save) after optimizer step `step`: the same on every rank. --log-every and
         --save-every count steps, which the ranks agree on without asking."""
@@ -797,11 +807,9 @@ class Agreement:
         return stop, log_now, save_now
 
     def summed_flags(self) -> list[float]:
+        """All ranks' flags as they were a step ago (this rank's own now, in one process)."""
         if not self.ctx.distributed:
             return self.flags()
-        if self.agreed is not None:
-            agreed, self.agreed = self.agreed, None
-            return agreed
         agreed = [0.0] * len(self.flag)
         if self.pending is not None:
             self.pending.wait()
@@ -906,20 +914,10 @@ class Loader:
             return
         self.plan.batches = [[(epoch, i) for i in rows] for rows in micro_batches]
         loaded = iter(self.loader) if self.loader else (load_here(self.samples, b) for b in self.plan.batches)
-        try:
-            for batch in loaded:
-                yield to_device(batch, self.ctx.device)
-            return
-        except Exception as exc:  # from a worker, re-raised with the worker's traceback in its message
-            kind, message = type(exc), str(exc)
-        release_loader_cycle()
-        if kind is BatchError:
-            fail(f"cannot batch the items of {type(self.dataset).__name__}: {message.rsplit('BatchError: ', 1)[-1]}",
-                 ctx=self.ctx)
-        try:
-            raise kind(message)
-        except TypeError:  # an exception class that wants other arguments
-            raise RuntimeError(message) from None
+        for batch in loaded:  # (an exception in a worker comes here with the worker's traceback in its message)
+            if isinstance(batch, Unbatchable):
+                fail(f"cannot batch the items of {type(self.dataset).__name__}: {batch.why}", ctx=self.ctx)
+            yield to_device(batch, self.ctx.device)
 
 
 def loader_workers(requested: int, on_gpu: bool, cpus: int, holds_cuda: bool, dataset, ctx) -> int:
@@ -964,79 +962,43 @@ class _Plan:
 
 class SeededSamples(Dataset):
     """The user's Dataset, seeded per sample: before sample i of epoch e loads (its key is (e, i)),
-    each global generator it draws from (torch, Python's random, numpy) is seeded from (seed, e, i).
-    A seed costs 3-8 us a sample, so generators the Dataset never draws from are left alone. Which ones it
-    draws from is found batch by batch: the others are set to a known state before a batch, and a
-    batch that moved one is loaded again with that one seeded too. Either way every sample sees
-    the same randomness."""
+    each global generator it may draw from (torch, Python's random, numpy) is seeded from (seed, e, i).
+    That costs about 8 us a sample on a 2-core machine (torch's 2, random's 5, numpy's 1), whether or not
+    the Dataset draws: one rule, and no batch is ever loaded twice."""
 
     def __init__(self, dataset: Dataset, seed: int):
         self.dataset, self.seed, self.epoch_seeds = dataset, seed, {}
-        self.drawn_from = []  # the STREAMS this process has seen the Dataset draw from
 
     def __len__(self):
         return len(self.dataset)
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> list:
         """One batch's items (the DataLoader calls this, in a worker or here)."""
-        while True:
-            idle = [stream for stream in STREAMS if stream not in self.drawn_from]
-            for stream in idle:
-                stream.arm()
-            items = self.load(keys)
-            moved = [stream for stream in idle if stream.moved()]
-            if not moved:
-                return items
-            self.drawn_from += moved  # and load the batch again: its samples drew unseeded numbers
-
-    def __getitem__(self, key: tuple[int, int]):
-        return self.__getitems__([key])[0]  # one sample: the same generator check as a batch
-
-    def load(self, keys: list[tuple[int, int]]) -> list:
-        dataset, seeders, items = self.dataset, [stream.seed for stream in self.drawn_from], []
+        items = []
         for epoch, index in keys:  # the hot loop: a few us per sample, on top of the Dataset's own
             if epoch not in self.epoch_seeds:
                 self.epoch_seeds[epoch] = mix_seed(self.seed, epoch) >> 1  # + index stays below 2**64
             s = self.epoch_seeds[epoch] + index  # consecutive seeds are fine: each generator mixes its own
-            for seed in seeders:
-                seed(s)
-            items.append(dataset[index])
+            torch.default_generator.manual_seed(s)  # not torch.manual_seed: 100x slower, it visits every device
+            random.seed(s)
+            if numpy is not None:
+                numpy.random.seed(s & 0xFFFFFFFF)  # 32 bits: per index within an epoch
+            items.append(self.dataset[index])
         return items
 
-
-class Stream:
-    """A global random generator a Dataset may draw from: how to seed it, and how to tell whether
-    a batch drew from it (arm() sets a known state; moved() then sees a draw other than the known
-    first one)."""
-
-    def __init__(self, seed, draw):
-        self.seed, self.draw, self.first = seed, draw, None
-
-    def arm(self) -> None:
-        if self.first is None:
-            self.seed(0x5EED)
-            self.first = self.draw()
-        self.seed(0x5EED)
-
-    def moved(self) -> bool:
-        return self.draw() != self.first
-
-
-STREAMS = [Stream(torch.default_generator.manual_seed,  # not torch.manual_seed: 100x slower, it visits every device
-                  lambda: torch.rand((), dtype=torch.float64).item()),
-           Stream(random.seed, random.random)]
-if numpy is not None:
-    STREAMS.append(Stream(lambda s: numpy.random.seed(s & 0xFFFFFFFF), numpy.random.random))  # 32 bits, per index
+    def __getitem__(self, key: tuple[int, int]):
+        return self.__getitems__([key])[0]
 
 
 def load_here(samples: SeededSamples, keys: list) -> object:
-    """One batch loaded in the training process (no workers). The training process's own torch
-    stream (dropout) must not see the per-sample seeding, so it is put back afterwards."""
-    state = torch.default_generator.get_state()
+    """One batch loaded in the training process (no workers). Trap: the per-sample seeding must not
+    reach the training process's own generators (dropout, and whatever compute_loss draws: a mixup's
+    random.random()), so all of them are put back as they were."""
+    state = rng_state(torch.device("cpu"))
     try:
         return collate(samples.__getitems__(keys))
     finally:
-        torch.default_generator.set_state(state)
+        set_rng_state(state, torch.device("cpu"))
 
 
 def my_share(sampler: DistributedSampler, ctx: DistContext) -> list[int]:
@@ -1046,72 +1008,37 @@ def my_share(sampler: DistributedSampler, ctx: DistContext) -> list[int]:
     return list(sampler)[: len(range(ctx.rank, len(sampler.dataset), ctx.world_size))]
 
 
-COUNT_DIGIT = 4096  # the base of the count's digits: float32 sums 4,096 numbers below 4,096 exactly
-
-
 class StepCount:
-    """DDP: the step's count (an int, or a 0-dim tensor) summed over all ranks without a collective of
-    its own: it rides in the all-reduce of DDP's last gradient bucket (all_reduce_hook), and on the CPU
-    the Agreement's flags ride with it. A scalar all-reduce of its own would cost a step a network round
-    trip (8% of the default task's 2 x 1 speed here). The count goes as three base-4096 digits, which a
-    float32 bucket sums exactly (whole counts below 2^36 a rank, up to 4,096 ranks); a bucket that
-    cannot carry them (bf16 or fp16 weights, --grad-compression bf16, more ranks) has them all-reduced
-    beside it, in float64. Every rank takes the same path: the buckets are the same on every rank."""
+    """DDP: the step's count (samples or tokens: what compute_loss's losses sum over) over all ranks.
+    One small all-reduce, started before the step's last backward and waited for after it: it runs
+    while backward computes, ahead of the gradient buckets. On a GPU the count stays there: no
+    host-device sync in a step."""
 
-    def __init__(self, ctx: DistContext, agreement: Agreement, args):
-        self.ctx, self.agreement, self.compress = ctx, agreement, args.grad_compression == "bf16"
-        self.local = self.extra = self.summed = self.work = self.wire = None
+    def __init__(self, ctx: DistContext):
+        self.ctx, self.count, self.work = ctx, 0, None
 
-    def set(self, count) -> None:
-        """This rank's count of the step, before the backward that all-reduces the gradients."""
-        self.local = count
+    def start(self, count) -> None:
+        """This rank's count of the step, before the step's last backward."""
+        self.count = count
         if self.ctx.distributed:
-            flags = self.agreement.flags() if self.ctx.device.type == "cpu" else []
-            self.extra = count_digits(count, flags, self.ctx.device)
-
-    def carry(self, bucket) -> torch.Tensor | None:
-        """For all_reduce_hook: the digits if this is the step's last bucket and it can sum them exactly,
-        else None; where it cannot, they go in a float64 all-reduce of their own, started here."""
-        extra, self.extra = (self.extra, None) if bucket.is_last() else (None, self.extra)
-        if extra is not None and (self.compress or bucket.buffer().dtype not in (torch.float32, torch.float64)
-                                  or self.ctx.world_size > COUNT_DIGIT):
-            self.summed, self.work = extra, dist.all_reduce(extra, async_op=True)  # SUM
-            return None
-        return extra
-
-    def wire_for(self, grads: torch.Tensor, extra: int) -> torch.Tensor:
-        """The buffer that the last bucket and the digits cross the network in, kept from step to step."""
-        if self.wire is None or self.wire.numel() != grads.numel() + extra or self.wire.dtype != grads.dtype:
-            self.wire = torch.empty(grads.numel() + extra, dtype=grads.dtype, device=grads.device)
-        return self.wire
+            self.count = count_tensor(count, self.ctx.device)
+            self.work = dist.all_reduce(self.count, async_op=True)  # SUM
 
     def total(self):
-        """The step's count over all ranks, once backward has returned: a float, or on a GPU a float64
-        tensor there (no host sync). DDP waits for every bucket before backward returns."""
-        if not self.ctx.distributed:
-            return self.local
-        if self.summed is None:  # (a backward that DDP's reducer did not run: nothing carried the count)
-            raise RuntimeError("the step's count was not all-reduced: its backward did not run DDP's all-reduce hook")
+        """The step's count over all ranks: a number, or on a GPU a float64 tensor there (no host sync)."""
         if self.work is not None:
-            self.work.wait()
-        summed, self.summed, self.work = self.summed.to(torch.float64), None, None
-        if self.ctx.device.type == "cpu":
-            summed = summed.tolist()
-            self.agreement.agree(summed[3:])
-        return summed[0] + COUNT_DIGIT * summed[1] + COUNT_DIGIT**2 * summed[2]
+            self.work.wait()  # on a GPU: the stream waits, not the host
+            self.work = None
+        return float(self.count) if self.ctx.device.type == "cpu" else self.count
 
 
-def count_digits(count, flags: list[float], device: torch.device) -> torch.Tensor:
-    """A count as float64 [d0, d1, d2, *flags] with count = d0 + 4096 d1 + 2^24 d2, each digit below
-    4096: whole numbers that float32 sums exactly (a fraction, kept in d0, to float32's rounding)."""
-    if torch.is_tensor(count) and not flags:  # the GPU's path (its flags go over gloo): without waiting for it
-        c = count.detach().to(device=device, dtype=torch.float64).reshape(1)
-        high, middle = torch.floor(c / COUNT_DIGIT**2), torch.floor(c / COUNT_DIGIT)
-        return torch.cat([c - COUNT_DIGIT * middle, middle - COUNT_DIGIT * high, high])
-    c = float(count)
-    high, middle = math.floor(c / COUNT_DIGIT**2), math.floor(c / COUNT_DIGIT)
-    return torch.tensor([c - COUNT_DIGIT * middle, middle - COUNT_DIGIT * high, high, *flags], dtype=torch.float64,
-                        device=device)
+def count_tensor(count, device: torch.device) -> torch.Tensor:
+    """A count (an int, a float or a 0-dim tensor) as a float64 0-dim tensor on the device, to all-reduce.
+    Trap: torch.tensor(n, device="cuda") copies from pageable memory and so waits for all queued GPU
+    work (tensor_new.cpp -> copy_kernel_cuda -> memcpy_and_sync); torch.full writes it there instead."""
+    if torch.is_tensor(count):
+        return count.detach().to(device=device, dtype=torch.float64).reshape(())
+    return torch.full((), float(count), dtype=torch.float64, device=device)
 
 
 def whole(x: float):
@@ -1250,17 +1177,11 @@ def leave_signals_to_trainer(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def release_loader_cycle() -> None:
-    """The DataLoader re-raises a worker's exception from a frame that the exception references: a
-    reference cycle that keeps the loader alive until the garbage collector runs, and a collector
-    that frees the loader together with its queues cannot shut the workers down (ours ignore SIGTERM:
-    they would outlive the process). Collect that cycle while the loader is still referenced; the
-    exception is then raised again without the DataLoader's frames (its message holds the worker's)."""
-    gc.collect()
-
-
-class BatchError(TypeError):
-    """Items that collate_fn cannot batch (raised in a worker, re-raised in the trainer)."""
+@dataclasses.dataclass
+class Unbatchable:
+    """What collate() returns for items that cannot be batched: a value, not an exception, so that it
+    reaches the trainer from a DataLoader worker as it is, and the run stops with one line."""
+    why: str
 
 
 def collate(items: list):
@@ -1269,10 +1190,10 @@ def collate(items: list):
         return collate_fn(items)
     except Exception as exc:
         if collate_fn is not default_collate:
-            raise BatchError(f"your collate_fn raised {type(exc).__name__}: {last_line(exc)}") from None
-        raise BatchError(f"{last_line(exc)}. __getitem__ should return tensors, numbers or strings, or tuples, "
-                         "lists and dicts of them, with the same shapes for every item; items of different "
-                         "shapes need a collate_fn of yours that pads them") from None
+            return Unbatchable(f"your collate_fn raised {type(exc).__name__}: {last_line(exc)}")
+        return Unbatchable(f"{last_line(exc)}. __getitem__ should return tensors, numbers or strings, or tuples, "
+                           "lists and dicts of them, with the same shapes for every item; items of different "
+                           "shapes need a collate_fn of yours that pads them")
 
 
 def to_device(batch, device: torch.device):
@@ -1512,24 +1433,29 @@ def warm_up(job: Job) -> None:
 
 
 @contextlib.contextmanager
-def explain_unused_parameters(model: nn.Module, ctx: DistContext):
-    """A parameter that got no gradient after the first step: DDP raises at the next forward on
-    every rank, with a long message that names parameters by index. Say it in one line, by name."""
+def explain_unused_parameters(ctx: DistContext):
+    """A parameter that got a gradient in the first step (warm_up checks that one) but none in a later
+    one: DDP's reducer then still waits for it, and raises at the next forward on every rank with a
+    message of a hundred lines. Say it in one line."""
     try:
         yield
     except RuntimeError as exc:
-        if "Expected to have finished reduction in the prior iteration" not in str(exc):
+        if not ctx.distributed or "Expected to have finished reduction" not in str(exc):
             raise
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
-        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(exc))
-        unused = [names[int(i)] for i in found.group(1).split() if int(i) < len(names)] if found else []
-        fail(f"parameters got no gradient in a step{': ' + ', '.join(unused[:5]) if unused else ''}; pass "
-             "--find-unused-parameters if some parameters sit out some steps", ctx=ctx)
+        fail("some parameters got no gradient in a step after the first; pass --find-unused-parameters if some "
+             "parameters sit out some steps (TORCH_DISTRIBUTED_DEBUG=INFO makes DDP name them)", ctx=ctx)
 
 
 # ============================================================================
 # Statistics: the exact global loss, gradient norms, divergence, throughput, memory, MFU
 # ============================================================================
+
+
+def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """DDP: sum a tensor over all ranks, in place. SUM, never AVG: AVG is unreliable on gloo."""
+    if ctx.distributed:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
 
 
 class EpochStats:
@@ -1558,11 +1484,11 @@ class EpochStats:
         self.current = loss if self.current is None else self.current + loss
         self.count = self.count + count
 
-    def end_step(self, grad_norms: torch.Tensor) -> None:
-        """grad_norms: the norms of the step's parameter gradients, or their norm (a vector of one)."""
+    def end_step(self, grad_norm: torch.Tensor) -> None:
+        """grad_norm: the step's gradient norm before clipping (0-dim)."""
         self.step_losses.append(self.current if self.current is not None else self.zero)
         self.current = None
-        self.norms.append(grad_norms)
+        self.norms.append(grad_norm)
         if self.first_step_at is None:  # start-up cost, once: when the first step has really finished
             if self.ctx.device.type == "cuda":
                 torch.cuda.synchronize(self.ctx.device)
@@ -1581,7 +1507,7 @@ class EpochStats:
                 dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.ctx.control_group)  # the earliest rank's
             self.diverged(f"the training loss is {loss_sum} at step {-int(step)}")
         if self.norms:  # the norms of the all-reduced gradient: the same on every rank
-            self.fold_norms(torch.linalg.vector_norm(torch.stack(self.norms), dim=1), first)
+            self.fold_norms(torch.stack(self.norms), first)
         progress.loss_sum += loss_sum
         progress.count += count
         self.step_losses, self.norms, self.count = [], [], 0
@@ -1614,9 +1540,8 @@ class EpochStats:
                  else "train_loss    -  ", f"{rate:>9,.0f} samples/s"]
         if COUNT_UNIT != "samples":
             parts.append(f"{count / seconds:>9,.0f} {COUNT_UNIT}/s")
-        peak = peak_flops(job.args, self.ctx)
-        if peak and job.flops_per_sample:
-            parts.append(f"MFU {100 * rate * job.flops_per_sample / peak:5.2f}%")
+        if job.peak_flops and job.flops_per_sample:
+            parts.append(f"MFU {100 * rate * job.flops_per_sample / job.peak_flops:5.2f}%")
         parts += [f"lr {job.scheduler.get_last_lr()[0]:.2e}", f"elapsed {hms(time.monotonic() - STARTED)}",
                   f"ETA {hms(per_step * (total - done))}"]
         log(self.ctx, "  " + "  ".join(parts))
@@ -1656,9 +1581,8 @@ class EpochStats:
             flops_per_sec = samples_per_sec * job.flops_per_sample
             record.update(flops_per_sample=job.flops_per_sample,
                           tflops_per_process=flops_per_sec / self.ctx.world_size / 1e12)
-            peak = peak_flops(job.args, self.ctx)
-            if peak:  # model FLOPs utilisation: over all GPUs' peak
-                record["mfu"] = flops_per_sec / peak
+            if job.peak_flops:  # model FLOPs utilisation: over all GPUs' peak
+                record["mfu"] = flops_per_sec / job.peak_flops
         return record
 
 
@@ -1676,6 +1600,9 @@ def log_start(job: Job, lr: float, flops_not_counted: str) -> None:
              f"{len(eval_set):,} eval samples, {job.steps_per_epoch} steps/epoch")
     if flops_not_counted:
         log(ctx, f"FLOPs not counted: {flops_not_counted}; no FLOP/s or MFU is logged")
+    elif ctx.device.type == "cuda" and not job.peak_flops:
+        log(ctx, "no MFU: this GPU's peak at this precision is unknown, or ambiguous (--amp off with TF32 "
+                 "convolutions or matmuls); pass --peak-tflops to give it")
 
 
 def hms(seconds: float) -> str:
@@ -1725,11 +1652,16 @@ def memory_stats(ctx: DistContext) -> dict:
 def count_flops(model: nn.Module, data: Loader, args, ctx: DistContext) -> tuple[float | None, str]:
     """Training FLOPs (forward + backward) per sample, measured by torch's FlopCounterMode on the first
     micro-batch of the training set, before training. Nothing of the run changes: no RNG draw, no
-    BatchNorm statistic, no gradient is left behind. (None, why) where the counter cannot count."""
+    BatchNorm statistic, no gradient is left behind. (None, why) where the counter cannot count: it
+    counts matmuls, convolutions and attention, not recurrent layers, nor custom kernels (which it
+    cannot see: their FLOPs are missing from the figure)."""
+    recurrent = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
+    if recurrent:
+        return None, f"torch's FlopCounterMode has no formula for {', '.join(recurrent)}"
     with preserved_state(model, ctx):
         batch, samples = data.first_batch()
         counter = flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
-        with counter, UncountedOps(counter) as missed:
+        with counter:
             try:
                 with autocast(args, ctx):
                     loss_sum = call_compute_loss(model, batch, ctx)[0]
@@ -1738,44 +1670,20 @@ def count_flops(model: nn.Module, data: Loader, args, ctx: DistContext) -> tuple
                 if flop_counter.__file__ not in (frame.filename for frame in traceback.extract_tb(exc.__traceback__)):
                     raise  # the model's own error, which training would raise too
                 return None, f"torch's FlopCounterMode failed ({type(exc).__name__}: {first_line(exc)[:100]})"
-    if missed.ops or not counter.get_total_flops():
-        ops = ", ".join(sorted(missed.ops)) or "any op"
-        return None, f"torch's FlopCounterMode has no formula for {ops} of this model"
+    if not counter.get_total_flops():
+        return None, "torch's FlopCounterMode counted no FLOPs in this model"
     return counter.get_total_flops() / samples, ""
-
-
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402 (FlopCounterMode's own base, private)
-
-
-class UncountedOps(TorchDispatchMode):
-    """Notes the ops that FlopCounterMode counted nothing for but that do count: custom kernels (not
-    aten), and aten's matmuls, convolutions, attention and RNNs that have no formula there."""
-
-    HEAVY = re.compile(r"mm|conv|attention|einsum|linear|matmul|rnn|lstm|gru")
-
-    def __init__(self, counter):
-        super().__init__()
-        self.counter, self.ops = counter, set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = self.counter.get_total_flops()
-        out = func(*args, **(kwargs or {}))
-        if self.counter.get_total_flops() == before and (
-                func.namespace not in ("aten", "prim", "prims", "c10d", "_c10d_functional")
-                or self.HEAVY.search(func.__name__)):
-            self.ops.add(f"{func.namespace}.{func.__name__}")
-        return out
 
 
 @contextlib.contextmanager
 def preserved_state(model: nn.Module, ctx: DistContext):
     """Run a forward and backward that leave no trace: every RNG state, the buffers (BatchNorm's
     statistics) and the gradients are as they were before."""
-    rng, buffers = gather_rng_states(DistContext(device=ctx.device))[0], [b.clone() for b in model.buffers()]
+    rng, buffers = rng_state(ctx.device), [b.clone() for b in model.buffers()]
     try:
         yield
     finally:
-        restore_rng(rng, ctx)
+        set_rng_state(rng, ctx.device)
         with torch.no_grad():
             for b, saved in zip(model.buffers(), buffers):
                 b.copy_(saved)
@@ -1783,9 +1691,12 @@ def preserved_state(model: nn.Module, ctx: DistContext):
 
 
 # FlopCounterMode's formulas for attention cover the CUDA kernels; the CPU's fused kernel is the same count.
-CPU_ATTENTION_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.sdpa_flop.__wrapped__,
-                       torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-                           flop_counter.sdpa_backward_flop.__wrapped__}
+# (custom_mapping takes formulas of the inputs' shapes, as torch's own are written.)
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *_, out_shape=None, **__: flop_counter.sdpa_flop_count(q, k, v),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, q, k, v, *_, out_shape=None, **__: flop_counter.sdpa_backward_flop_count(grad, q, k, v)}
 
 
 # Dense (no sparsity) peak TFLOP/s of one GPU: (bf16, fp16) on tensor cores, and fp32 without them. From
@@ -1814,12 +1725,27 @@ def gpu_peak_tflops(device_name: str, amp: str) -> float | None:
     return None
 
 
-def peak_flops(args, ctx: DistContext) -> float | None:
-    """All GPUs' peak FLOP/s together, for the MFU figure; None on the CPU or an unknown GPU."""
+def peak_flops(args, ctx: DistContext, model: nn.Module) -> float | None:
+    """All GPUs' peak FLOP/s together, for the MFU figure; None on the CPU, on an unknown GPU, and where
+    the precision is mixed (see fp32_or_tf32), unless --peak-tflops says it."""
     if ctx.device.type != "cuda":
         return None
-    per_gpu = args.peak_tflops or gpu_peak_tflops(torch.cuda.get_device_name(ctx.device), args.amp)
+    convolutions = any(isinstance(m, CONVOLUTIONS) for m in model.modules())
+    tf32 = fp32_or_tf32(args.amp, convolutions, torch.backends.cudnn.allow_tf32,
+                        torch.get_float32_matmul_precision() != "highest")
+    per_gpu = args.peak_tflops or (None if tf32 else gpu_peak_tflops(torch.cuda.get_device_name(ctx.device), args.amp))
     return per_gpu * 1e12 * ctx.world_size if per_gpu else None
+
+
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def fp32_or_tf32(amp: str, convolutions: bool, tf32_convolutions: bool, tf32_matmuls: bool) -> bool:
+    """Whether a run without autocast does some of its FLOPs in TF32, on tensor cores at up to 8x the FP32
+    peak: then neither peak is right, and MFU over the FP32 one overstates up to 8x. torch's defaults
+    (aten/src/ATen/Context.h: allow_tf32_cudnn = true, float32_matmul_precision = HIGHEST) run cuDNN
+    convolutions in TF32 and matmuls in FP32: a CNN mixes the two."""
+    return amp == "off" and (convolutions and tf32_convolutions or tf32_matmuls)
 
 
 # ============================================================================
@@ -1858,23 +1784,32 @@ def check_every_parameter_got_a_gradient(job: Job) -> None:
 
 def mean_gradients(job: Job, count) -> torch.Tensor:
     """Make the step's gradient the mean over its global count, once per step, then --clip-grad-norm
-    it. Backward saw the sums / typical_count (a constant that keeps them in fp16's range), and DDP
-    averaged them over ranks: x world size x typical_count / count. Returns the norm before clipping
-    as its parameters' norms (EpochStats takes their norm when it folds: one op less a step)."""
+    it, over every parameter of the model. Backward saw the sums / typical_count (a constant that keeps
+    them in fp16's range), and DDP averaged them over ranks: x world size x typical_count / count.
+    Returns the gradient norm before clipping (a 0-dim tensor: no host sync)."""
     job.scaler.unscale_(job.optimizer)  # Trap: clip and log the true gradients, not fp16's loss-scaled ones
-    params = [p for group in job.optimizer.param_groups for p in group["params"] if p.grad is not None]
-    grads, factor = [p.grad for p in params], job.ctx.world_size * job.typical_count  # DDP: sums -> mean:
-    if torch.is_tensor(count):  # on the GPU, without waiting for it
-        torch._foreach_mul_(grads, torch.where(count > 0, factor / count, 0.0))
-    elif count != factor:  # (a classifier without accumulation: factor / count is exactly 1)
-        torch._foreach_mul_(grads, factor / count if count > 0 else 0.0)
-    # As torch.nn.utils' norm and clip do it, without their per-call grouping (~150 us a step here).
-    norms = torch.stack(torch._foreach_norm(grads))
+    params = [p for p in job.model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    scale = gradient_scale(count, job.ctx.world_size * job.typical_count, grads[0].dtype)  # DDP: sums -> mean
+    if scale is not None:
+        torch._foreach_mul_(grads, scale)  # one kernel for all gradients (what torch's own optimizers use)
+    norm = torch.nn.utils.get_total_norm(grads)
     if job.args.clip_grad_norm:
-        norm = torch.linalg.vector_norm(norms)
-        torch._foreach_mul_(grads, (job.args.clip_grad_norm / (norm + 1e-6)).clamp(max=1.0))
-        return norm.reshape(1)
-    return norms
+        torch.nn.utils.clip_grads_with_norm_(params, job.args.clip_grad_norm, norm)
+    return norm
+
+
+def gradient_scale(count, factor: float, dtype: torch.dtype):
+    """factor / count, what turns the gradients DDP averaged into the mean over the step's count: None
+    where it is exactly 1 (a classifier without accumulation), 0 for a step without a count. A count on
+    a GPU gives a 0-dim tensor there, in the gradients' dtype. Trap: a float64 scale on float32
+    gradients sends _foreach_mul_ to its slow path, one kernel per parameter (ForeachBinaryOpScalarTensor.cu
+    takes the fast path only when the scalar tensor's dtype matches)."""
+    if torch.is_tensor(count):
+        return torch.where(count > 0, factor / count, 0.0).to(dtype)
+    if count == factor:
+        return None
+    return factor / count if count > 0 else 0.0
 
 
 def broadcast_buffers(model: nn.Module, ctx: DistContext) -> None:
@@ -1900,26 +1835,16 @@ def autocast(args, ctx: DistContext):
     return torch.autocast(ctx.device.type, dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
 
 
-def all_reduce_hook(step_count: StepCount, bucket):  # (unannotated return: DDP refuses a string one)
-    """DDP communication hook: each gradient bucket's mean over the ranks, as DDP itself takes it
-    (multiply by 1 / world size, then all-reduce the sum: reducer.cpp's mark_variable_ready_dense), with
-    the step's count riding in its last bucket (StepCount). --grad-compression bf16 (opt-in: it changes
-    the numerics) sends the buckets in bfloat16: torch's own bf16 hook needs NCCL (and DDP checks it by
-    that hook's name), this one works on gloo too."""
-    grads, extra, share = bucket.buffer(), step_count.carry(bucket), 1.0 / dist.get_world_size()
-    if extra is not None:  # the gradients and the count in one buffer, kept from step to step (no page faults)
-        wire = step_count.wire_for(grads, len(extra))
-        torch.mul(grads, share, out=wire[: grads.numel()])
-        wire[grads.numel() :] = extra
-    else:
-        wire = (grads.to(torch.bfloat16) if step_count.compress else grads).mul_(share)
+def bf16_compress_hook(state, bucket):  # (unannotated return: DDP refuses a string one)
+    """--grad-compression bf16 (opt-in: it changes the numerics): DDP's mean of each gradient bucket, as
+    DDP takes it (multiply by 1 / world size, then all-reduce the sum: reducer.cpp's
+    mark_variable_ready_dense), sent in bfloat16. torch's own bf16 hook needs NCCL (and DDP checks it by
+    that hook's name); this one works on gloo too."""
+    grads = bucket.buffer()
+    wire = grads.to(torch.bfloat16).mul_(1.0 / dist.get_world_size())
 
     def unpack(fut):
-        summed = fut.value()[0]
-        if extra is not None:
-            step_count.summed, summed = summed[grads.numel():], summed[: grads.numel()]
-        if summed.data_ptr() != grads.data_ptr():
-            grads.copy_(summed)
+        grads.copy_(fut.value()[0])
         return grads
 
     return dist.all_reduce(wire, async_op=True).get_future().then(unpack)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import re
 import shlex
@@ -320,6 +321,51 @@ def test_a_generator_the_dataset_draws_from_only_now_and_then_is_seeded_too(proj
     assert_same_weights(loaded[0].weights, loaded[1].weights, exact=True)
 
 
+# mixup.py's compute_loss draws its lambda (Python's random) and its pairing (numpy) in the training
+# process: 1 x 32, 45 steps per epoch.
+MIXUP = ["--batch-size", "32"]
+
+
+def mixup_draws(path: Path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# The Dataset augments with torch alone (Python's random and numpy are generators it never draws
+# from), or with all three (digits.py's own augmentation).
+@pytest.mark.parametrize("augment", ["torch", "all"], ids=["dataset-draws-from-torch", "dataset-draws-from-all-three"])
+def test_data_loading_leaves_the_training_process_random_and_numpy_as_it_found_them(project, tmp_path, augment):
+    # Per-sample seeding of the Dataset's generators must not reach a compute_loss that draws from
+    # Python's random and numpy itself (mixup): every step draws anew, whether the samples load in
+    # the training process or in workers, and a stopped run resumes with the same draws.
+    env = dict(DIGITS_AUGMENT=augment if augment == "torch" else None)
+    draws, loaded = {}, {}
+    for w in (0, 2):
+        log = tmp_path / f"draws{w}"
+        loaded[w] = run(digits_cmd(project, "python", *MIXUP, "--workers", w, script="mixup.py"), tmp_path,
+                        out=f"workers{w}", env=clean_env(MIXUP_LOG=log, **env))
+        draws[w] = mixup_draws(Path(f"{log}.0"))
+        assert len(draws[w]) == 90, len(draws[w])  # 2 epochs x 45 steps
+        lams, perms = [d[0] for d in draws[w]], [tuple(d[1]) for d in draws[w]]
+        assert len(set(lams)) == len(lams), f"--workers {w}: mixup's lambda repeats across steps: {lams[:5]}"
+        assert len(set(perms)) == len(perms), f"--workers {w}: mixup's pairing repeats across steps: {perms[:2]}"
+    assert draws[0] == draws[2]
+    assert_same_weights(loaded[0].weights, loaded[2].weights, exact=True)
+    # Stopped by SIGTERM mid-epoch 2 and rerun: the same draws from where it stopped, the same weights.
+    log = tmp_path / "stopped"
+    first = run(digits_cmd(project, "python", *MIXUP, "--workers", 0, script="mixup.py"), tmp_path, out="resumed",
+                env=clean_env(MIXUP_LOG=log, STOP_SIGNAL="TERM", STOP_AT=60, **env), expect=75)
+    m = re.search(r"stopped by a signal at step (\d+)", first.stdout)
+    assert m, first
+    step = int(m.group(1))
+    before = mixup_draws(Path(f"{log}.0"))
+    assert len(before) == step, (len(before), step)
+    final = run(digits_cmd(project, "python", *MIXUP, "--workers", 0, script="mixup.py"), tmp_path, out="resumed",
+                env=clean_env(MIXUP_LOG=log, **env))
+    assert resumed_at(final.stdout)[1] == step, final
+    assert mixup_draws(Path(f"{log}.0")) == draws[0]  # the stopped run's draws, then the resumed run's
+    assert_same_weights(final.weights, loaded[0].weights, exact=True)
+
+
 def test_each_rank_draws_its_own_model_randomness(project, tmp_path):
     # The same initial weights on every rank, but not the same dropout masks.
     record = tmp_path / "draw"
@@ -345,7 +391,7 @@ def test_second_ctrl_c_stops_at_once_without_saving(project, tmp_path):
     r = run(digits_cmd(project, "python"), tmp_path, env=clean_env(**stop), expect=130)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "second Ctrl-C" in lines[0] and "Traceback" not in r.stderr, r
-    assert torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)["step"] == 20  # --save-every 10
+    assert torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)["progress"]["step"] == 20  # --save-every 10
 
 
 @pytest.mark.fast
@@ -394,6 +440,21 @@ def test_a_parameter_without_gradient_is_one_line_unless_allowed(project, tmp_pa
         assert len(lines) == 1 and "spare.weight, spare.bias" in lines[0] and "--find-unused-parameters" in lines[0], r
 
 
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_a_head_every_rank_leaves_out_in_some_steps_trains_with_find_unused_parameters(project, tmp_path, launcher):
+    # sometimes.py's extra head takes part in every third training step only: in the others no rank
+    # gives its parameters a gradient, and the step's gradient has fewer tensors than in the third.
+    args = ["--epochs", "2", "--batch-size", "32", "--find-unused-parameters"]
+    script = str(project / "sometimes.py")
+    cmd = python_cmd(*args, script=script) if launcher == "python" else torchrun_cmd(2, *args, script=script)
+    r = run(cmd, tmp_path)
+    assert [m["epoch"] for m in r.metrics] == [1, 2], r
+    for m in r.metrics:
+        assert m["train_samples"] == 1437 and m["eval_samples"] == 360
+        assert all(math.isfinite(m[k]) for k in ("train_loss", "eval_loss", "grad_norm_max")), m
+    assert "extra.weight" in r.weights and r.weights["extra.weight"].isfinite().all()
+
+
 def test_another_split_or_model_in_the_same_out_dir_is_one_line_and_touches_nothing(project, tmp_path):
     run(digits_cmd(project, "python", "--epochs", "1"), tmp_path)
     saved = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
@@ -438,7 +499,7 @@ def test_a_diverging_run_stops_on_every_rank_and_keeps_the_last_good_checkpoint(
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "the training loss is nan at step 25" in lines[0], r
     ckpt = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)
-    assert ckpt["step"] == 20 and all(v.isfinite().all() for v in ckpt["model"].values())
+    assert ckpt["progress"]["step"] == 20 and all(v.isfinite().all() for v in ckpt["model"].values())
     assert not (tmp_path / "out" / "model.pt").exists()
 
 
@@ -542,24 +603,31 @@ def test_one_step_gradient_is_the_token_mean_over_every_rank_and_micro_batch(pro
 
 
 @pytest.mark.fast
-def test_the_step_count_rides_in_a_float32_gradient_bucket_exactly_for_any_count_and_up_to_4096_ranks():
-    # The count crosses the network inside DDP's last gradient bucket, as three base-4096 digits in the
-    # bucket's float32: a sum over 4,096 ranks, in any order, stays exact where the count itself rounds.
+def test_the_step_count_is_made_on_the_device_and_scales_gradients_in_their_own_dtype():
+    # What a GPU step does with its count, driven here on the CPU case by case: an int becomes a tensor
+    # through torch.full (no pageable host-to-device copy, which waits for all queued GPU work), and a
+    # tensor count gives a scale in the gradients' dtype (a float64 scale sends _foreach_mul_ to its
+    # one-kernel-per-parameter path). A count of 0 scales by 0, and a CPU count of exactly the factor by nothing.
     cpu = torch.device("cpu")
-    for count in [0, 1, 12.5, 4095, 4096, 2**24 - 1, 2**24 + 1, 2**30 + 12345, 2**36 - 1]:
-        for as_given in (count, torch.tensor(count)):  # an int or float (the CPU), a tensor (the GPU's path)
-            digits = ddp_train.count_digits(as_given, [], cpu)
-            assert digits.dtype == torch.float64 and all(0 <= d < 4096 for d in digits.tolist()), (count, digits)
-            assert digits[0] + 4096 * digits[1] + 2**24 * digits[2] == count
-    assert ddp_train.count_digits(7, [1.0, 0.0, 1.0], cpu).tolist() == [7, 0, 0, 1, 0, 1]  # the CPU's flags ride too
-    counts = torch.randint(2**35, 2**36, (4096,), dtype=torch.float64)
-    digits = torch.stack([ddp_train.count_digits(int(c), [], cpu) for c in counts]).float()
-    summed = torch.zeros(3)
-    for rank_digits in digits[torch.randperm(4096)]:  # float32 sums, one rank at a time, in any order
-        summed += rank_digits
-    summed = summed.double()
-    assert summed[0] + 4096 * summed[1] + 2**24 * summed[2] == counts.sum()
-    assert counts.float().sum().double() != counts.sum()  # negative control: the counts themselves in float32
+    made = []
+    real_full, real_tensor = torch.full, torch.tensor
+    try:
+        torch.full = lambda *a, **k: made.append("full") or real_full(*a, **k)
+        torch.tensor = lambda *a, **k: made.append("tensor") or real_tensor(*a, **k)
+        for count in (7, 12.5, 2**40 + 1):
+            assert ddp_train.count_tensor(count, cpu).item() == count and made[-1] == "full"
+    finally:
+        torch.full, torch.tensor = real_full, real_tensor
+    assert "tensor" not in made
+    tokens = torch.tensor(41, dtype=torch.int64)
+    as_sent = ddp_train.count_tensor(tokens, cpu)
+    assert as_sent.dtype == torch.float64 and as_sent.shape == () and as_sent.item() == 41
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        scale = ddp_train.gradient_scale(torch.tensor(64.0, dtype=torch.float64), 128.0, dtype)
+        assert torch.is_tensor(scale) and scale.dtype == dtype and scale.item() == 2.0
+    assert ddp_train.gradient_scale(torch.tensor(0.0, dtype=torch.float64), 128.0, torch.float32).item() == 0.0
+    assert ddp_train.gradient_scale(128.0, 128.0, torch.float32) is None  # exactly 1: no multiply at all
+    assert ddp_train.gradient_scale(64.0, 128.0, torch.float32) == 2.0 and ddp_train.gradient_scale(0, 8.0, None) == 0.0
 
 
 def test_lm_two_ranks_with_accumulation_match_one_process_on_variable_length_batches(project, tmp_path):
@@ -648,7 +716,7 @@ def test_flops_per_sample_are_counted_exactly_for_an_mlp_a_cnn_and_a_language_mo
 
 def test_a_model_the_flop_counter_cannot_count_gets_no_figure_and_one_line_saying_why(project, tmp_path):
     r = run(torchrun_cmd(2, "--epochs", 1, script=str(project / "rnn.py")), tmp_path)
-    assert r.stdout.count("FLOPs not counted: torch's FlopCounterMode has no formula for aten.mkldnn_rnn_layer") == 1, r
+    assert r.stdout.count("FLOPs not counted: torch's FlopCounterMode has no formula for LSTM") == 1, r
     assert not {"flops_per_sample", "tflops_per_process", "mfu"} & set(r.metrics[0])
 
 
@@ -827,9 +895,28 @@ def test_srun_tasks_with_cpus_per_task_take_their_own_cores(tmp_path):
 
 
 @pytest.mark.fast
-def test_checkpoints_load_onto_the_cpu_memory_mapped_for_gpus_and_read_for_the_cpu():
-    assert ddp_train.checkpoint_load_options("cuda") == {"map_location": "cpu", "mmap": True, "weights_only": True}
-    assert ddp_train.checkpoint_load_options("cpu") == {"map_location": "cpu", "mmap": False, "weights_only": True}
+def test_checkpoints_load_onto_the_cpu_memory_mapped_for_gpus_and_read_for_the_cpu(tmp_path):
+    zipped, legacy = tmp_path / "zipped.pt", tmp_path / "legacy.pt"
+    weights = ddp_train.build_model(default_args()).state_dict()
+    torch.save(weights, zipped)
+    torch.save(weights, legacy, _use_new_zipfile_serialization=False)  # torch < 1.6's format
+    assert ddp_train.checkpoint_load_options("cuda", zipped) == {"map_location": "cpu", "mmap": True,
+                                                                 "weights_only": True}
+    assert ddp_train.checkpoint_load_options("cpu", zipped)["mmap"] is False
+    # A legacy file cannot be memory-mapped (torch.load raises): it is read, on a GPU run too.
+    assert ddp_train.checkpoint_load_options("cuda", legacy)["mmap"] is False
+    for path in (zipped, legacy):
+        loaded = ddp_train.load_to_cpu(str(path), ddp_train.DistContext(device=torch.device("cuda", 0)))
+        assert all(torch.equal(loaded[k], v) for k, v in weights.items())
+    with pytest.raises(RuntimeError):  # negative control: what a GPU run did before
+        torch.load(legacy, map_location="cpu", mmap=True, weights_only=True)
+
+
+def test_a_legacy_format_init_from_file_starts_a_run(tmp_path):
+    legacy = tmp_path / "legacy.pt"
+    torch.save(ddp_train.build_model(default_args()).state_dict(), legacy, _use_new_zipfile_serialization=False)
+    r = run(python_cmd(*SMALL, "--epochs", 1, "--init-from", legacy), tmp_path)
+    assert f"initialised the model from {legacy}" in r.stdout, r
 
 
 def test_checkpoints_load_onto_the_cpu_and_resume_bit_identical(project, tmp_path, reference):
@@ -941,7 +1028,7 @@ def test_a_hard_kill_loses_only_the_minutes_since_the_clock_checkpoint_and_resum
     with Launch([*cmd, "--out-dir", out], tmp_path, "killed", env=clean_env(SLOW_MS=20)) as launch:
         def mid_epoch_checkpoint():
             try:
-                return torch.load(out / "checkpoint.pt", weights_only=True)["step_in_epoch"] >= 10
+                return torch.load(out / "checkpoint.pt", weights_only=True)["progress"]["step_in_epoch"] >= 10
             except (OSError, RuntimeError, EOFError):  # not there yet
                 return False
         launch.wait_for(mid_epoch_checkpoint, "a clock-driven checkpoint mid-epoch")
@@ -994,7 +1081,7 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank_and_rerun_is_bit_identica
     assert code == 1, launch.stderr
     m = re.search(r"stopped by a signal at step (\d+).*exit code 75", launch.stdout)
     assert m, launch.stdout
-    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == int(m.group(1))
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["progress"]["step"] == int(m.group(1))
     assert not (out / "model.pt").exists()
     again = run(cmd, tmp_path)
     assert resumed_at(again.stdout)[1] == int(m.group(1))
@@ -1629,6 +1716,18 @@ def test_gpu_peak_table_picks_the_precision_and_the_exact_model():
     assert peak("Tesla V100-SXM2-16GB", "bf16") is None  # Volta has no bf16 tensor cores
     assert peak("NVIDIA A100-SXM4-40GB MIG 3g.20gb", "bf16") is None  # a slice, not the GPU
     assert peak("Some Future GPU", "bf16") is None
+
+
+@pytest.mark.fast
+def test_mfu_is_given_only_where_one_peak_holds_for_the_whole_model():
+    # torch's defaults run cuDNN convolutions in TF32 and matmuls in FP32: with --amp off a CNN mixes
+    # precisions whose peaks differ up to 8x, so its MFU over the FP32 peak would be overstated.
+    mixed = ddp_train.fp32_or_tf32
+    assert mixed("off", convolutions=True, tf32_convolutions=True, tf32_matmuls=False)  # a CNN, torch's defaults
+    assert not mixed("off", convolutions=False, tf32_convolutions=True, tf32_matmuls=False)  # an MLP: all FP32
+    assert not mixed("off", convolutions=True, tf32_convolutions=False, tf32_matmuls=False)  # TF32 turned off
+    assert mixed("off", convolutions=False, tf32_convolutions=False, tf32_matmuls=True)  # matmuls in TF32
+    assert not any(mixed(amp, True, True, True) for amp in ("bf16", "fp16"))  # autocast: the half-precision peak
 
 
 def test_benchmark_quick_runs_and_prints_its_table(tmp_path):
