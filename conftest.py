@@ -514,6 +514,40 @@ ddp_train.build_model = build_model
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
+    # The default task (ddp_train's own data and MLP), held for a node to join: at world size 1, rank 0
+    # touches HOLD_FILE at its HOLD_AT-th training forward and waits there (stopper.py's hold, 60 s at
+    # most) for the SIGTERM with which torchrun stops its worker once another node has joined. Never at
+    # another world size: a membership change restarts the worker with the same TORCHELASTIC_RESTART_COUNT.
+    "alone.py": """
+import os
+import sys
+import ddp_train
+
+default_task = ddp_train.build_datasets, ddp_train.build_model
+import stopper  # its hold (importing it plugs in digits: the default task comes back below)
+
+calls = 0
+
+
+def hold_while_alone(module, inputs):
+    global calls
+    if not module.training or not inputs or stopper.before_training() or os.environ.get("WORLD_SIZE") != "1":
+        return
+    calls += 1
+    if calls == int(os.environ.get("HOLD_AT", 0)):
+        stopper.hold_for_sigterm()
+
+
+def build_model(args):
+    model = default_task[1](args)
+    model.register_forward_pre_hook(hold_while_alone)
+    return model
+
+
+ddp_train.build_datasets, ddp_train.build_model = default_task[0], build_model
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
     # No evaluation set.
     "noeval.py": """
 import sys

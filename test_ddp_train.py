@@ -1310,15 +1310,16 @@ ELASTIC_PLAIN = ["--epochs", 2, "--batch-size", 32, "--global-batch", 64, "--wor
                  "--timeout", 30]
 
 
-def elastic_agent(tmp_path: Path, name: str, port: int, host: bool, *args, script=SCRIPT) -> Launch:
+def elastic_agent(tmp_path: Path, name: str, port: int, host: bool, *args, script=SCRIPT, **env) -> Launch:
     """One torchrun agent of an elastic job of one to two nodes, one process each, on this machine;
     the first hosts the rendezvous. A node without heartbeat for 3 s is dropped from it; the last call
-    (10 s) is the slack a late agent has to join the others, however loaded the machine."""
+    (10 s) is the slack a late agent has to join the others, however loaded the machine. `env`: more
+    environment variables for it and its worker."""
     cmd = [PY, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=3",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
            f"--rdzv-conf=is_host={int(host)},last_call_timeout={LAST_CALL},keep_alive_interval=1,keep_alive_max_attempt=3",
            script, *map(str, args)]
-    return Launch(cmd, tmp_path, name, env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
+    return Launch(cmd, tmp_path, name, env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, **env))
 
 
 def trains_as_two(launch: Launch, out: Path):
@@ -1357,22 +1358,26 @@ def test_a_lost_node_is_survived_with_the_same_global_batch(project, tmp_path, r
     assert_same_run(r.weights, two.weights)  # the uninterrupted run at world size 2, to float rounding
 
 
-def test_a_joining_node_is_welcomed_with_the_same_global_batch(tmp_path, reference):
-    out, port = tmp_path / "out", free_port()
-    longer = [*ELASTIC, "--epochs", 4]
-    a = elastic_agent(tmp_path, "a", port, True, *longer, "--out-dir", out)
+def test_a_joining_node_is_welcomed_with_the_same_global_batch(project, tmp_path, reference):
+    # Node a trains alone through epoch 1, and is held at step 10 of epoch 2 (its 532nd micro-batch of 16)
+    # until b joins: else, on a loaded machine, a can train all its steps before b's torchrun has even
+    # started, and the rerun with b finds nothing to train. The hold ends with the SIGTERM with which
+    # torchrun stops a's worker for the new rendezvous: the step goes on, the run stops at its end.
+    script, out, port, held = str(project / "alone.py"), tmp_path / "out", free_port(), tmp_path / "held"
+    a = elastic_agent(tmp_path, "a", port, True, *ELASTIC, "--out-dir", out, script=script,
+                      HOLD_AT=2 * (256 + 10), HOLD_FILE=held)
     b = None
     try:
-        a.wait_for(lambda: (out / "checkpoint.pt").exists(), "a first checkpoint")
-        b = elastic_agent(tmp_path, "b", port, False, *longer, "--out-dir", out)  # a stops, saves, and resumes with b
+        a.wait_for(held.exists, "node a held alone at step 266")
+        b = elastic_agent(tmp_path, "b", port, False, *ELASTIC, "--out-dir", out, script=script)  # a stops, saves, and resumes with b
         assert finish([a, b], 180) == [0, 0], a.stderr + b.stderr
     finally:
         for agent in filter(None, (a, b)):
             agent.kill()
     r = Result.of(a, out)
-    assert "stopped by a signal" in r.stdout and "saved by world size 1" in r.stdout, r
-    assert r.metrics[0]["world_size"] == 1 and r.metrics[-1]["world_size"] == 2
-    assert_same_run(r.weights, reference(python_cmd(*longer)).weights)  # the run at constant world size 1
+    assert "stopped by a signal at step 266:" in r.stdout and "saved by world size 1" in r.stdout, r
+    assert [m["world_size"] for m in r.metrics] == [1, 2]
+    assert_same_run(r.weights, reference(python_cmd(*ELASTIC, script=script)).weights)  # at constant world size 1
 
 
 def test_global_batch_gives_the_same_run_on_every_world_size_that_divides_it(tmp_path, reference):
