@@ -6,8 +6,12 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 # The training script: ddp_train.py, or your own that imports it (make train-cpu SCRIPT=examples/digits.py).
 SCRIPT ?= ddp_train.py
+# After a stop signal torchrun gives the workers this long to save their checkpoint before SIGKILL
+# (its own default, 30 s, can cut a big model's save short). Also passed to run_multi_node.sh.
+SHUTDOWN_TIMEOUT ?= 120
 # torchrun on this machine; a script of your own finds ddp_train.py here, unless its own directory has one.
-TORCHRUN = PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m torch.distributed.run --standalone
+TORCHRUN = PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m torch.distributed.run --standalone \
+  --shutdown-timeout=$(SHUTDOWN_TIMEOUT)
 # Pinned: a fresh machine gets the CPU wheel, never the newest CUDA build. A torch that the
 # system python already imports is reused (the venv sees system site-packages), never reinstalled.
 TORCH_PIN := torch==2.13.0
@@ -51,7 +55,7 @@ train-%gpu: setup  ## torchrun with one process per GPU: make train-2gpu, make t
 
 train-multinode: setup  ## on every node: make train-multinode NODE_RANK=1 MASTER_ADDR=10.0.0.1
 	PYTHON=$(PY) NNODES=$(NNODES) NODE_RANK=$(NODE_RANK) MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT) \
-	  NPROC_PER_NODE=$(NPROC_PER_NODE) SCRIPT=$(SCRIPT) ./run_multi_node.sh $(ARGS)
+	  NPROC_PER_NODE=$(NPROC_PER_NODE) SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT) SCRIPT=$(SCRIPT) ./run_multi_node.sh $(ARGS)
 
 test: setup  ## the whole test suite: real processes, two tests at a time (pytest-xdist)
 	$(PY) -m pytest -q -n 2 test_ddp_train.py

@@ -19,6 +19,7 @@
 # wait for all nodes   --timeout S       TIMEOUT          300 seconds, for the rendezvous (and, if given, ddp_train.py's --timeout)
 # restarts             --max-restarts K  MAX_RESTARTS     0 (elastic: 3); after a failure all workers restart and resume
 # last call (elastic)  --last-call S     LAST_CALL        30 s: how long a rendezvous waits for more than MIN nodes
+# time to save         --shutdown-timeout S SHUTDOWN_TIMEOUT 120 s after a stop signal (torchrun's own default: 30)
 # training script      --script PATH     SCRIPT           ddp_train.py beside this file; or your own that imports it
 # Anything else, or everything after --, goes to ddp_train.py. PYTHON picks the interpreter.
 #
@@ -32,9 +33,12 @@
 # Timeouts: every node waits up to TIMEOUT (300 s) for node 0's port and for all nodes to join; a TIMEOUT
 # you set is also ddp_train.py's --timeout for a collective (else its own default, 30 min, which a cold
 # --compile on one rank fits in, and after which a node cut off from the network is given up). A stop signal (SIGTERM, SIGUSR1, SIGINT, SIGHUP) goes to
-# torchrun, which passes it to the workers and gives them 30 s to checkpoint and exit before SIGKILL;
-# this script SIGKILLs a torchrun that is still running 45 s after the signal. The workers exit 75 once
-# their checkpoint is saved, torchrun and this script 1. It prints the timeouts and the exact torchrun
+# torchrun, which passes it to the workers and gives them SHUTDOWN_TIMEOUT (120 s; torchrun's
+# --shutdown-timeout) to checkpoint and exit before SIGKILL; this script SIGKILLs a torchrun that is
+# still running 15 s after that. The workers exit 75 once their checkpoint is saved, torchrun and this
+# script 1. (To stop its workers for a restart, as when a node joins, torchrun keeps its own 30 s.) On
+# SLURM, scancel, a requeue and the time limit send SIGKILL KillWait seconds (default 30) after their
+# SIGTERM, whatever SHUTDOWN_TIMEOUT is: see the README. It prints the timeouts and the exact torchrun
 # command on stderr before it starts.
 #
 # SLURM: `--slurm` takes NNODES, NODE_RANK, RDZV_ID and NPROC_PER_NODE from the job step, MASTER_ADDR
@@ -55,10 +59,11 @@ if [[ -z "${PYTHON:-}" ]]; then
   [[ -x "$here/.venv/bin/python" ]] && PYTHON="$here/.venv/bin/python"
 fi
 die() { echo "run_multi_node.sh: $*" >&2; exit 2; }
-# A stop signal goes to torchrun, which passes it to the workers and gives them 30 s. SLURM and a
-# terminal signal torchrun themselves; if torchrun does not say within a second that it got it (a
+# A stop signal goes to torchrun, which passes it to the workers and gives them SHUTDOWN_TIMEOUT. SLURM
+# and a terminal signal torchrun themselves; if torchrun does not say within a second that it got it (a
 # `kill` of this script alone), it is passed on (a second one would abort torchrun's shutdown). A
-# torchrun blocked on a node that left the network cannot act on it: it gets SIGKILL 45 s later.
+# torchrun blocked on a node that left the network cannot act on it: it gets SIGKILL SHUTDOWN_TIMEOUT
+# + 15 s later.
 # Before torchrun runs there is nothing to save: exit 75 (130 after Ctrl-C), "run again".
 pid='' signalled='' forward_in='' kill_at=''
 on_signal() {
@@ -66,7 +71,7 @@ on_signal() {
     echo "run_multi_node.sh: SIG$1 before torchrun started; nothing to save, run again to start" >&2
     exit "$([[ $1 == INT ]] && echo 130 || echo 75)"
   fi
-  signalled=$1 forward_in=5 kill_at=$((SECONDS + 45))  # 5 turns of the loop below
+  signalled=$1 forward_in=5 kill_at=$((SECONDS + SHUTDOWN_TIMEOUT + 15))  # 5 turns of the loop below
 }
 for sig in TERM INT HUP USR1; do trap "on_signal $sig" "$sig"; done
 
@@ -93,6 +98,7 @@ while [[ $# -gt 0 ]]; do
     --timeout) TIMEOUT=$2; timeout_given=yes; shift 2 ;;
     --max-restarts) MAX_RESTARTS=$2; shift 2 ;;
     --last-call) LAST_CALL=$2; shift 2 ;;
+    --shutdown-timeout) SHUTDOWN_TIMEOUT=$2; shift 2 ;;
     --script) SCRIPT=$2; shift 2 ;;
     --slurm)
       [[ -n "${SLURM_JOB_ID:-}" && -n "${SLURM_NODEID:-}" ]] || die "--slurm: not inside a SLURM job step (run it with srun)"
@@ -131,12 +137,13 @@ timeout_given=${TIMEOUT:+yes}  # then ddp_train.py waits as long in its collecti
 TIMEOUT=${TIMEOUT:-300}
 MAX_RESTARTS=${MAX_RESTARTS:-$([[ -n "$elastic" ]] && echo 3 || echo 0)}
 LAST_CALL=${LAST_CALL:-30}
+SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-120}
 SCRIPT=${SCRIPT:-$here/ddp_train.py}
 [[ -f "$SCRIPT" ]] || die "--script $SCRIPT: no such file"
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   NPROC_PER_NODE=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 1)')
 fi
-for v in MAX_NODES NODE_RANK MASTER_PORT NPROC_PER_NODE TIMEOUT MAX_RESTARTS LAST_CALL; do
+for v in MAX_NODES NODE_RANK MASTER_PORT NPROC_PER_NODE TIMEOUT MAX_RESTARTS LAST_CALL SHUTDOWN_TIMEOUT; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a whole number, got '${!v}'"
 done
 if [[ -n "$elastic" ]]; then
@@ -215,7 +222,8 @@ PY
   fi
 fi
 
-launch=(--nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS")
+launch=(--nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS"
+        --shutdown-timeout="$SHUTDOWN_TIMEOUT")
 [[ -n "$local_addr" ]] && launch+=(--local-addr="$local_addr")
 if [[ "$MAX_NODES" == 1 && -z "$master_addr_given" ]]; then
   launch+=(--standalone)  # one node: a free port, so two runs on one machine never collide
@@ -230,7 +238,8 @@ else
 fi
 cmd=("$PYTHON" -m torch.distributed.run "${launch[@]}" "$SCRIPT" ${timeout_given:+--timeout "$TIMEOUT"} "${train_args[@]}")
 echo "run_multi_node.sh: $NNODES node(s) x $NPROC_PER_NODE process(es); timeouts: ${TIMEOUT}s for all nodes to" \
-     "join, then after a stop signal 30s for the workers to save (torchrun) and SIGKILL to torchrun at 45s" >&2
+     "join, then after a stop signal ${SHUTDOWN_TIMEOUT}s for the workers to save (torchrun) and SIGKILL to" \
+     "torchrun at $((SHUTDOWN_TIMEOUT + 15))s" >&2
 line=$(printf '%q ' "${envs[@]}" "${cmd[@]}")
 echo "run_multi_node.sh: ${line% }" >&2
 
