@@ -789,6 +789,26 @@ ddp_train.build_datasets, ddp_train.atomic_save = build_datasets, slow_save
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
+    # stopper.py (HOLD_AT and HOLD_FILE hold rank 0 until a SIGTERM comes) on a slow disk: each write of
+    # checkpoint.pt takes SAVE_SECONDS longer, as a big model's would.
+    "slow_stop.py": """
+import os
+import sys
+import time
+import ddp_train
+import stopper  # digits with its tripwire
+
+
+def slow_save(obj, path, *rest, save=ddp_train.atomic_save, **kwargs):
+    if path.endswith("checkpoint.pt"):
+        time.sleep(float(os.environ["SAVE_SECONDS"]))
+    save(obj, path, *rest, **kwargs)
+
+
+ddp_train.atomic_save = slow_save
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
     # examples/tinylm.py (a language model on variable-length token batches) with stopper.py's tripwire;
     # LM_<CONSTANT>=value overrides its sizes (LM_TRAIN_SIZE=48, LM_DROPOUT=0).
     "lm.py": """

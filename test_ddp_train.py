@@ -1088,6 +1088,98 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank_and_rerun_is_bit_identica
     assert_same_weights(again.weights, reference(FT_TORCHRUN2).weights, exact=True)
 
 
+def test_the_launch_helpers_give_torchrun_a_shutdown_timeout_of_120_s_or_yours(tmp_path):
+    # torchrun SIGKILLs its workers 30 s after a stop signal unless told otherwise: too short for a big save.
+    env = clean_env(MAKEFLAGS=None, MAKELEVEL=None, MFLAGS=None)
+    make = lambda *a: subprocess.run(["make", "-n", "-s", *a], cwd=ROOT, env=env, capture_output=True, text=True,
+                                     timeout=60).stdout
+    for target in ("train-cpu", "train-2gpu"):
+        assert "torch.distributed.run --standalone --shutdown-timeout=120 " in make(target, "gpus=2"), target
+        assert "--shutdown-timeout=300 " in make(target, "gpus=2", "SHUTDOWN_TIMEOUT=300"), target
+    assert "SHUTDOWN_TIMEOUT=300 " in make("train-multinode", "SHUTDOWN_TIMEOUT=300")
+    # run_multi_node.sh prints its timeouts and torchrun's command, here of a script that does nothing.
+    (tmp_path / "noop.py").write_text("")
+    helper = [RUN_MULTI, "--nproc-per-node", 1, "--script", tmp_path / "noop.py"]
+    for setting, timeout in ({}, 120), (dict(SHUTDOWN_TIMEOUT=7), 7):
+        r = run(helper, tmp_path, env=clean_env(PYTHON=PY, **setting))
+        said = f"{timeout}s for the workers to save (torchrun) and SIGKILL to torchrun at {timeout + 15}s"
+        assert said in r.stderr, r
+        assert f" --shutdown-timeout={timeout} " in r.stderr, r
+    r = run(helper, tmp_path, env=clean_env(PYTHON=PY, SHUTDOWN_TIMEOUT="2m"), expect=2)
+    assert last_line(r.stderr) == "run_multi_node.sh: SHUTDOWN_TIMEOUT must be a whole number, got '2m'", r
+
+
+def test_run_multi_node_sigkills_a_torchrun_deaf_to_the_signal_15_s_after_its_shutdown_timeout(tmp_path):
+    # A "torchrun" that ignores every stop signal (as one blocked on a node that left the network does).
+    deaf = tmp_path / "deaf"
+    deaf.write_text("#!/bin/sh\ntrap '' TERM INT HUP USR1\nexec sleep 120\n")
+    deaf.chmod(0o755)
+    cmd = [RUN_MULTI, "--nproc-per-node", 1, "--script", RUN_MULTI]
+    with Launch(cmd, tmp_path, env=clean_env(PYTHON=deaf, SHUTDOWN_TIMEOUT=1)) as launch:
+        launch.wait_for(lambda: "SIGKILL to torchrun at 16s" in launch.stderr, "the timeouts line", timeout=30)
+        time.sleep(0.5)  # the helper's own loop is running
+        launch.proc.send_signal(signal.SIGTERM)  # to the helper alone: it passes it on, then kills
+        signalled = time.monotonic()
+        code = launch.wait(60)
+    took = time.monotonic() - signalled
+    assert code == 128 + signal.SIGKILL, launch.stderr  # its own exit: torchrun's
+    assert 14.5 < took < 25, took  # SHUTDOWN_TIMEOUT + 15 s (bash counts whole seconds)
+
+
+def torchrun_agent(launch: Launch) -> int:
+    """The pid of the torchrun agent in launch's session that runs two workers (a make's, say)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            pid = int(proc.name)
+            if os.getsid(pid) == launch.proc.pid and len(worker_pids(pid)) == 2:
+                return pid
+        except (ValueError, OSError):
+            continue
+    pytest.fail(f"no torchrun with two workers under {launch.cmd}\n{launch.stdout}\n{launch.stderr}")
+
+
+def test_sigterm_to_make_train_cpu_saves_a_checkpoint_that_takes_longer_than_torchruns_30_s(project, tmp_path):
+    # A big model on a slow disk: the preemption checkpoint takes 35 s, past torchrun's default 30 s.
+    # The same run twice at once: as make train-cpu launches it (SHUTDOWN_TIMEOUT 120 s), and with
+    # SHUTDOWN_TIMEOUT=30, which must lose the checkpoint (the test can tell a cut-off save).
+    venv = tmp_path / "venv"  # make's VENV, set up: this interpreter, and .ready newer than the Makefile
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(PY)} "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / ".ready").touch()
+    runs = {}
+    for name, shutdown in ("saved", []), ("cut", ["SHUTDOWN_TIMEOUT=30"]):
+        args = shlex.join(["--epochs", "1", "--batch-size", "16", "--save-every", "0",
+                           "--out-dir", f"{tmp_path}/{name}"])
+        cmd = ["make", "-s", "train-cpu", f"VENV={venv}", f"SCRIPT={project / 'slow_stop.py'}", f"ARGS={args}",
+               *shutdown]
+        env = clean_env(HOLD_AT=5, HOLD_FILE=tmp_path / f"{name}.held", SAVE_SECONDS=35,
+                        MAKEFLAGS=None, MAKELEVEL=None, MFLAGS=None)
+        runs[name] = Launch(cmd, tmp_path, name, env=env)
+    try:
+        for name, launch in runs.items():  # rank 0 waits at its 5th step for the signal
+            launch.wait_for(lambda: (tmp_path / f"{name}.held").exists(), "training", timeout=120)
+        for launch in runs.values():
+            os.kill(torchrun_agent(launch), signal.SIGTERM)  # what a scheduler sends the launcher
+        signalled = time.time()
+        codes = {name: launch.wait(120) for name, launch in runs.items()}
+    finally:
+        for launch in runs.values():
+            launch.kill()
+    saved, cut = runs["saved"], runs["cut"]
+    took = time.time() - signalled
+    assert codes["saved"] == 2 and "Error 1" in saved.stderr, saved.stderr  # torchrun's 1 after SIGTERM
+    m = re.search(r"stopped by a signal at step (\d+).*exit code 75", saved.stdout)
+    assert m, saved.stdout + saved.stderr
+    checkpoint = tmp_path / "saved" / "checkpoint.pt"
+    assert torch.load(checkpoint, weights_only=True)["step"] == int(m.group(1))
+    assert checkpoint.stat().st_mtime - signalled > 30 and took > 35, took  # the save really took 35 s
+    # With torchrun's 30 s the workers were SIGKILLed mid-save: nothing saved, nothing said.
+    assert codes["cut"] == 2, cut.stderr
+    assert "stopped by a signal" not in cut.stdout and not (tmp_path / "cut" / "checkpoint.pt").exists(), cut.stdout
+    assert "forcefully exiting via 9" in cut.stderr and "forcefully" not in saved.stderr, cut.stderr
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_single_process_stop_signal_exits_75_and_rerun_is_bit_identical(tmp_path, reference, sig):
     out = tmp_path / "out"
