@@ -943,6 +943,32 @@ ddp_train.build_model, ddp_train.wrap_model, ddp_train.save_model = Reversed, wr
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
+    # The default task with every training step after the second run under CUDA's sync debug mode "error":
+    # any host-device synchronisation inside a step raises (the first steps warm up and time the start).
+    "nosync.py": """
+import sys
+import torch
+import ddp_train
+
+steps = 0
+
+
+def train_step(job, data, n_micro, stats, step=ddp_train.train_step):
+    global steps
+    steps += 1
+    if steps <= 2:
+        return step(job, data, n_micro, stats)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return step(job, data, n_micro, stats)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+ddp_train.train_step = train_step
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
     # digits.py with a slow Dataset: SLOW_MS milliseconds per sample on the ranks in SLOW_RANKS ("0,1").
     "slow.py": """
 import os

@@ -255,7 +255,7 @@ def train(args, ctx: DistContext, agreement: Agreement) -> int:
     checkpoints = Checkpoints(args, ctx, train_set, eval_set, lr, global_batch)
     checkpoints.resume(state, steps_per_epoch)
     if progress.epoch >= args.epochs:
-        return checkpoints.finished(model)
+        return checkpoints.finished(model, progress)
 
     train_data = Loader(train_set, args.batch_size, ctx, args.workers, args.seed)
     flops, why_not = count_flops(model, train_data, args, ctx) if args.count_flops else (None, "")  # before DDP
@@ -282,7 +282,7 @@ def wrap_model(model: nn.Module, args, ctx: DistContext) -> nn.Module:
                     find_unused_parameters=args.find_unused_parameters,
                     gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets: one copy less
     if args.grad_compression == "bf16":
-        ddp_model.register_comm_hook(None, bf16_compress_hook)  # opt-in: half the bytes, other numerics
+        ddp_model.register_comm_hook(None, bfloat16_wire_hook)  # opt-in: half the bytes, other numerics
     return ddp_model
 
 
@@ -407,8 +407,9 @@ def add_machinery_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off", help="autocast; fp16 adds loss scaling")
     g.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
     g.add_argument("--workers", type=at_least(-1), default=-1,
-                   help="DataLoader workers per process for Datasets that are not in-memory tensors "
-                        "(-1: none on the CPU, a few with CUDA)")
+                   help="DataLoader workers per process for Datasets that are not in-memory tensors (-1: none on "
+                        "the CPU, a few with CUDA). A Dataset holding CUDA tensors needs 0: forked workers cannot "
+                        "use CUDA")
     g.add_argument("--grad-compression", choices=("none", "bf16"), default="none",
                    help="all-reduce gradients in bfloat16: half the bytes, but the numerics change")
     g.add_argument("--count-flops", action=argparse.BooleanOptionalAction, default=True,
@@ -579,13 +580,9 @@ class Checkpoints:
         wait_for_rank0(self.ctx)  # a write longer than --timeout must not look like a dead peer
         job.agreement.saved()  # --save-minutes counts from here
 
-    def finished(self, model: nn.Module) -> int:
-        """A finished run, rerun: nothing to train; model.pt is written if it is missing."""
-        path = os.path.join(self.args.out_dir, "model.pt")
-        if self.ctx.is_main and not os.path.exists(path):
-            atomic_save(model.state_dict(), path)
-            log(self.ctx, f"saved {path}")
-        wait_for_rank0(self.ctx)
+    def finished(self, model: nn.Module, progress: Progress) -> int:
+        """A finished run, rerun: nothing to train; model.pt is written again from the checkpoint."""
+        save_model(model, progress, self.args, self.ctx)
         return 0
 
 
@@ -880,11 +877,13 @@ class Loader:
 
     def __init__(self, dataset: Dataset, batch_size: int, ctx: DistContext, workers: int, seed: int):
         self.dataset, self.batch_size, self.ctx = dataset, batch_size, ctx
-        self.samples, self.plan, self.loader = SeededSamples(dataset, seed), _Plan(), None
+        # The DataLoader's batch sampler: the batches of the next pass, set before each (it iterates the list).
+        self.samples, self.plan, self.loader = SeededSamples(dataset, seed), [], None
         on_gpu = ctx.device.type == "cuda"
         if self.in_memory:  # no workers needed: a batch is one index gather
             return
-        workers = loader_workers(workers, on_gpu, process_cpus(ctx), holds_tensors_on(dataset, "cuda"), dataset, ctx)
+        if workers < 0:  # by default none on the CPU (they would take the cores training needs), a few on a
+            workers = min(4, max(1, process_cpus(ctx) - 1)) if on_gpu else 0  # GPU: a core each, one for training
         if workers > 0:
             # Workers started once, not every epoch (persistent); a private generator for the
             # loader's base seed, because the global one belongs to the model (dropout).
@@ -912,52 +911,12 @@ class Loader:
                 yield tuple(t[rows] if self.ctx.device.type == "cpu" else t[rows].to(self.ctx.device, non_blocking=True)
                             for t in tensors)
             return
-        self.plan.batches = [[(epoch, i) for i in rows] for rows in micro_batches]
-        loaded = iter(self.loader) if self.loader else (load_here(self.samples, b) for b in self.plan.batches)
+        self.plan[:] = [[(epoch, i) for i in rows] for rows in micro_batches]
+        loaded = iter(self.loader) if self.loader else (load_here(self.samples, b) for b in self.plan)
         for batch in loaded:  # (an exception in a worker comes here with the worker's traceback in its message)
             if isinstance(batch, Unbatchable):
                 fail(f"cannot batch the items of {type(self.dataset).__name__}: {batch.why}", ctx=self.ctx)
             yield to_device(batch, self.ctx.device)
-
-
-def loader_workers(requested: int, on_gpu: bool, cpus: int, holds_cuda: bool, dataset, ctx) -> int:
-    """--workers, or by default: none on the CPU (workers would take the cores training needs), a few
-    on a GPU (one core each, one left for training), and none for a Dataset that keeps CUDA tensors
-    itself (a Subset of a CUDA TensorDataset): forked workers cannot use CUDA."""
-    if holds_cuda and requested > 0:
-        fail(f"--workers {requested}: {type(dataset).__name__} holds CUDA tensors, which forked DataLoader workers "
-             "cannot use (\"Cannot re-initialize CUDA in forked subprocess\"); pass --workers 0", ctx=ctx)
-    if requested >= 0:
-        return requested
-    return min(4, max(1, cpus - 1)) if on_gpu and not holds_cuda else 0
-
-
-def holds_tensors_on(obj, device_type: str, depth: int = 3) -> bool:
-    """Whether a Dataset keeps tensors on that device: in its attributes, a few levels deep."""
-    if torch.is_tensor(obj):
-        return obj.device.type == device_type
-    if depth == 0 or isinstance(obj, (str, bytes)):
-        return False
-    if isinstance(obj, (list, tuple)):
-        children = obj[:8]
-    elif isinstance(obj, dict):
-        children = list(obj.values())[:8]
-    else:
-        children = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
-    return any(holds_tensors_on(child, device_type, depth - 1) for child in children)
-
-
-class _Plan:
-    """The batch sampler of a Loader's DataLoader: the batches of the next pass."""
-
-    def __init__(self):
-        self.batches = []
-
-    def __iter__(self):
-        return iter(self.batches)
-
-    def __len__(self):
-        return len(self.batches)
 
 
 class SeededSamples(Dataset):
@@ -1835,11 +1794,11 @@ def autocast(args, ctx: DistContext):
     return torch.autocast(ctx.device.type, dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
 
 
-def bf16_compress_hook(state, bucket):  # (unannotated return: DDP refuses a string one)
+def bfloat16_wire_hook(state, bucket):  # (unannotated return: DDP refuses a string one)
     """--grad-compression bf16 (opt-in: it changes the numerics): DDP's mean of each gradient bucket, as
     DDP takes it (multiply by 1 / world size, then all-reduce the sum: reducer.cpp's
     mark_variable_ready_dense), sent in bfloat16. torch's own bf16 hook needs NCCL (and DDP checks it by
-    that hook's name); this one works on gloo too."""
+    that hook's name: this one has another); this one works on gloo too."""
     grads = bucket.buffer()
     wire = grads.to(torch.bfloat16).mul_(1.0 / dist.get_world_size())
 
