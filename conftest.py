@@ -943,6 +943,30 @@ ddp_train.build_model, ddp_train.wrap_model, ddp_train.save_model = Reversed, wr
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
+    # The default task's MLP with a buffer that is not BatchNorm's (DDP broadcasts every buffer at a step's
+    # first forward, a collective of its own): a rank without samples in a step must keep the order.
+    "buffered.py": """
+import sys
+import torch
+import ddp_train
+
+build_mlp = ddp_train.build_model
+
+
+class Buffered(torch.nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.mlp = build_mlp(args)
+        self.register_buffer("temperature", torch.ones(()))
+
+    def forward(self, x):
+        return self.mlp(x) / self.temperature
+
+
+ddp_train.build_model = Buffered
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
     # The default task with every training step after the second run under CUDA's sync debug mode "error":
     # any host-device synchronisation inside a step raises (the first steps warm up and time the start).
     "nosync.py": """

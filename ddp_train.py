@@ -337,8 +337,7 @@ def train_step(job: Job, data, n_micro: int, stats: EpochStats) -> None:
             job.scaler.scale(loss_sum / job.typical_count).backward()  # the sum: / the global count below
         stats.add(loss_sum, n)
     if n_micro == 0:  # DDP: none of the step's samples are here, but every rank joins the all-reduces
-        job.step_count.start(0)
-        zero_gradient_backward(job.ddp_model)
+        zero_gradient_backward(job.ddp_model, job.step_count)
     stats.end_step(mean_gradients(job, job.step_count.total()))  # DDP: sums / the global count, then clipped
     job.scaler.step(job.optimizer)
     job.scaler.update()
@@ -630,7 +629,9 @@ def load_checkpoint(args, ctx: DistContext) -> tuple[dict, str] | None:
             if args.resume != "auto" and isinstance(ckpt, dict) and all(map(torch.is_tensor, ckpt.values())):
                 fail(f"--resume {path}: it holds model weights, not a checkpoint; --init-from {path} starts a "
                      "new run from them", ctx=ctx)
-            problems.append((path, f"{path} is not a {PROG} checkpoint"))
+            older = isinstance(ckpt, dict) and str(ckpt.get("format")).startswith("ddp_train.checkpoint/")
+            problems.append((path, f"{path} is {'an older ' + PROG if older else 'not a ' + PROG} checkpoint"
+                                   f"{' (--init-from it starts a new run from its weights)' if older else ''}"))
             continue
         for bad, problem in problems:  # set the unreadable file aside, or the next save rotates it over this one
             log(ctx, f"{PROG}: warning: {problem}; resuming from {path} instead; the unreadable file is now "
@@ -669,8 +670,8 @@ def init_weights(model: nn.Module, path: str, ctx: DistContext) -> None:
         saved = load_to_cpu(path, ctx)
     except Exception as exc:
         fail(f"--init-from {path}: cannot read it ({first_line(exc)[:120]})", ctx=ctx)
-    if isinstance(saved, dict) and saved.get("format") == CHECKPOINT_FORMAT:
-        saved = saved["model"]
+    if isinstance(saved, dict) and str(saved.get("format")).startswith("ddp_train.checkpoint/"):
+        saved = saved["model"]  # a checkpoint of any version: its model
     check_same_model(saved, model, path, ctx)
     model.load_state_dict(saved)
     log(ctx, f"initialised the model from {path}")
@@ -765,15 +766,20 @@ class Agreement:
     SIGUSR1, which torchrun, Kubernetes and SLURM's --signal send, or Ctrl-C), log a progress line, save
     a checkpoint (rank 0's clocks: --log-seconds, --save-minutes). Logging and saving are collectives,
     and the ranks' clocks and signals disagree, so each rank's flags() are summed over all ranks, on
-    every device alike: each step starts an all-reduce of this rank's flags over gloo and reads the one
-    started a step earlier, long done by then. It never waits on the network or a GPU, and what it
-    decides is one step late: a stop, a progress line or a save comes one step after it was due.
+    every device alike, by a vote: an all-reduce over gloo that one step starts and a later one reads,
+    long done by then, so that it never waits on the network or a GPU. A vote costs about a millisecond
+    on gloo (a third of a small model's step on 2 CPU cores), so the ranks vote about every VOTE_SECONDS,
+    not every step: rank 0 proposes in each vote how many steps until the next, from its own pace, and
+    every rank reads the same number. A stop, a progress line or a save then comes at most about two
+    votes after it was due.
     A signal handler runs no collective (trap: a collective inside a handler deadlocks): it only sets
     a flag. A second Ctrl-C, a second or more after the first, stops at once, without saving."""
 
+    VOTE_SECONDS = 0.25
+
     def __init__(self, ctx: DistContext, args):
         self.ctx, self.args, self.received, self.received_at, self.pending = ctx, args, 0, 0.0, None
-        self.flag = torch.zeros(3)
+        self.flag, self.next_vote, self.gap, self.voted = torch.zeros(4), 0, 1, None  # voted: (step, time)
         self.logged_at = self.saved_at = time.monotonic()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handler)
@@ -795,25 +801,41 @@ class Agreement:
     def decide(self, step: int) -> tuple[bool, bool, bool]:
         """(stop, log, save) after optimizer step `step`: the same on every rank. --log-every and
         --save-every count steps, which the ranks agree on without asking."""
-        stop, log_due, save_due = (total > 0 for total in self.summed_flags())
+        voting = step >= self.next_vote  # the same on every rank: the votes say when the next one is
+        stop, log_due, save_due = (total > 0 for total in self.summed_flags()) if voting else (False,) * 3
         log_now, save_now = log_due or every(step, self.args.log_every), save_due or every(step, self.args.save_every)
         if log_now:
             self.logged()
         if save_now or stop:
             self.saved()
+        if voting:
+            self.vote(step)  # after the clocks were reset: what was due is not voted for again
         return stop, log_now, save_now
 
     def summed_flags(self) -> list[float]:
-        """All ranks' flags as they were a step ago (this rank's own now, in one process)."""
+        """All ranks' flags as the last vote summed them (this rank's own now, in one process)."""
         if not self.ctx.distributed:
             return self.flags()
-        agreed = [0.0] * len(self.flag)
-        if self.pending is not None:
-            self.pending.wait()
-            agreed = self.flag.tolist()
-        self.flag = torch.tensor(self.flags())
+        if self.pending is None:
+            return [0.0] * 3
+        self.pending.wait()
+        self.pending = None
+        *flags, gap = self.flag.tolist()
+        self.gap = max(1, int(gap))  # rank 0's proposal (the others sent 0)
+        return flags
+
+    def vote(self, step: int) -> None:
+        """Start summing this rank's flags over all ranks, read at the next vote, `gap` steps from here.
+        Rank 0 proposes the gap after that one: about VOTE_SECONDS at the pace of the steps since its last."""
+        if not self.ctx.distributed:
+            return
+        now, gap = time.monotonic(), 0
+        if self.ctx.is_main and self.voted:
+            per_step = (now - self.voted[1]) / (step - self.voted[0])
+            gap = max(1, min(1000, int(self.VOTE_SECONDS / max(per_step, 1e-6))))
+        self.voted, self.next_vote = (step, now), step + self.gap
+        self.flag = torch.tensor([*self.flags(), float(gap)])
         self.pending = dist.all_reduce(self.flag, group=self.ctx.control_group, async_op=True)  # SUM
-        return agreed
 
     def logged(self) -> None:
         self.logged_at = time.monotonic()
@@ -1069,17 +1091,20 @@ def split(indices: list[int], most: int) -> list[list[int]]:
     return [indices[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def zero_gradient_backward(ddp_model: nn.Module) -> None:
-    """A forward and backward through DDP that reads no data and contributes zero gradients, so that
-    a rank without samples in a step still takes part in its all-reduce. The model's forward is
-    swapped for one that uses every parameter and no randomness."""
+def zero_gradient_backward(ddp_model: nn.Module, step_count: StepCount) -> None:
+    """A forward and backward through DDP that reads no data and contributes zero gradients, with a
+    count of 0, so that a rank without samples in a step still takes part in its collectives, in the
+    order every other rank runs them: the forward's buffer broadcast, the count, the gradient buckets.
+    The model's forward is swapped for one that uses every parameter and no randomness."""
     module = ddp_model.module
     params = [p for p in module.parameters() if p.requires_grad]
     module.forward = lambda *_: sum(p.sum() for p in params) * 0.0
     try:
-        ddp_model().backward()
+        zero = ddp_model()
     finally:
         del module.forward  # back to the class's own forward
+    step_count.start(0)
+    zero.backward()
 
 
 def seed_everything(seed: int) -> None:
@@ -1172,8 +1197,8 @@ def to_device(batch, device: torch.device):
 def place_dataset(dataset: Dataset | None, ctx: DistContext) -> Dataset | None:
     """In-memory tensor datasets move to the GPU once, so that batches never cross PCIe. (Data larger
     than GPU memory belongs in a Dataset that loads on demand, read through the DataLoader.)"""
-    if type(dataset) is TensorDataset and ctx.device.type == "cuda":
-        return TensorDataset(*(t.to(ctx.device) for t in dataset.tensors))
+    if type(dataset) is TensorDataset and collate_fn is default_collate and ctx.device.type == "cuda":
+        return TensorDataset(*(t.to(ctx.device) for t in dataset.tensors))  # (Loader.in_memory: the same test)
     return dataset
 
 
@@ -1613,7 +1638,7 @@ def count_flops(model: nn.Module, data: Loader, args, ctx: DistContext) -> tuple
     micro-batch of the training set, before training. Nothing of the run changes: no RNG draw, no
     BatchNorm statistic, no gradient is left behind. (None, why) where the counter cannot count: it
     counts matmuls, convolutions and attention, not recurrent layers, nor custom kernels (which it
-    cannot see: their FLOPs are missing from the figure)."""
+    cannot see, and aten ops it has no formula for (a grouped matmul): their FLOPs are missing)."""
     recurrent = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
     if recurrent:
         return None, f"torch's FlopCounterMode has no formula for {', '.join(recurrent)}"
@@ -1690,8 +1715,8 @@ def peak_flops(args, ctx: DistContext, model: nn.Module) -> float | None:
     if ctx.device.type != "cuda":
         return None
     convolutions = any(isinstance(m, CONVOLUTIONS) for m in model.modules())
-    tf32 = fp32_or_tf32(args.amp, convolutions, torch.backends.cudnn.allow_tf32,
-                        torch.get_float32_matmul_precision() != "highest")
+    tf32 = fp32_or_tf32(args.amp, convolutions, torch.backends.cudnn.conv.fp32_precision == "tf32",
+                        torch.backends.cuda.matmul.fp32_precision == "tf32")
     per_gpu = args.peak_tflops or (None if tf32 else gpu_peak_tflops(torch.cuda.get_device_name(ctx.device), args.amp))
     return per_gpu * 1e12 * ctx.world_size if per_gpu else None
 
@@ -1702,8 +1727,10 @@ CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTran
 def fp32_or_tf32(amp: str, convolutions: bool, tf32_convolutions: bool, tf32_matmuls: bool) -> bool:
     """Whether a run without autocast does some of its FLOPs in TF32, on tensor cores at up to 8x the FP32
     peak: then neither peak is right, and MFU over the FP32 one overstates up to 8x. torch's defaults
-    (aten/src/ATen/Context.h: allow_tf32_cudnn = true, float32_matmul_precision = HIGHEST) run cuDNN
-    convolutions in TF32 and matmuls in FP32: a CNN mixes the two."""
+    (aten/src/ATen/Context.h: allow_tf32_cudnn = true, float32_matmul_precision = HIGHEST; read through
+    torch.backends.cudnn.conv.fp32_precision and torch.backends.cuda.matmul.fp32_precision, which never
+    raise, unlike the legacy getters once both APIs were used) run cuDNN convolutions in TF32 and matmuls
+    in FP32: a CNN mixes the two."""
     return amp == "off" and (convolutions and tf32_convolutions or tf32_matmuls)
 
 
@@ -1798,7 +1825,7 @@ def bfloat16_wire_hook(state, bucket):  # (unannotated return: DDP refuses a str
     """--grad-compression bf16 (opt-in: it changes the numerics): DDP's mean of each gradient bucket, as
     DDP takes it (multiply by 1 / world size, then all-reduce the sum: reducer.cpp's
     mark_variable_ready_dense), sent in bfloat16. torch's own bf16 hook needs NCCL (and DDP checks it by
-    that hook's name: this one has another); this one works on gloo too."""
+    that hook's name, so this one has another); this one works on gloo too."""
     grads = bucket.buffer()
     wire = grads.to(torch.bfloat16).mul_(1.0 / dist.get_world_size())
 
