@@ -30,6 +30,7 @@ The baselines (3, 4, 6, 10, 12) are functions in this file; the bench runs itsel
 start them.
 
     python bench_ddp_train.py --gpu-modes     # make test-gpu's table: a short run in every GPU mode
+    python bench_ddp_train.py --count-ab      # the step count's variants, alternated inside one 2 x 1 job
 """
 
 from __future__ import annotations
@@ -387,6 +388,89 @@ def spread(values, fmt) -> str:
     return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
 
 
+# ---------------------------------------------------------------------------
+# The step's count, A/B: blocks of bare DDP steps alternated between variants inside one torchrun 2 x 1
+# job, so that the machine's drift and the processes' start-up fall on every variant alike.
+# ---------------------------------------------------------------------------
+
+
+def count_ab(opts) -> int:
+    """python bench_ddp_train.py --count-ab [--old OLD_DDP_TRAIN.PY]: starts the workers below."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           "--count-ab-worker", "--rounds", str(opts.rounds), *(["--old", opts.old] if opts.old else [])]
+    return subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(HERE)}, timeout=opts.timeout * 3).returncode
+
+
+def count_ab_worker(opts) -> int:
+    import importlib.util
+    import random
+
+    import torch.distributed as dist
+
+    import ddp_train
+
+    class Blocking:  # the count's all-reduce after backward, waited for at once
+        def __init__(self, ctx):
+            self.ctx = ctx
+
+        def start(self, count, samples):
+            self.count = ddp_train.count_tensor(count, self.ctx.device)
+
+        def total(self):
+            dist.all_reduce(self.count)
+            return float(self.count)
+
+    def built(module, args, ctx):  # train()'s job, without its training loop
+        got = {}
+        module.train_loop = lambda job, progress, checkpoints: got.setdefault("job", job) and 0
+        module.train(args, ctx, module.Agreement(ctx, args))
+        return got["job"]
+
+    with tempfile.TemporaryDirectory(prefix="count_ab-") as out:
+        argv = ["--out-dir", out, "--resume", "never", "--log-seconds", "0", "--save-minutes", "0", "--batch-size",
+                "32", "--no-count-flops"]
+        args = ddp_train.parse_args(argv)
+        ctx = ddp_train.init_distributed(args)
+        job = built(ddp_train, args, ctx)
+        variants = {"samples: known from the plan, no communication (ddp_train.py)": (ddp_train, job, None),
+                    "tokens: an async all-reduce beside the last backward (ddp_train.py)": (ddp_train, job, None),
+                    "the same all-reduce, blocking, after backward": (ddp_train, job, Blocking(ctx)),
+                    "ddp_train.py (samples) without the agreement's vote": (ddp_train, job, None)}
+        if opts.old:  # an earlier ddp_train.py, in the same processes (git show REV:ddp_train.py > old.py)
+            spec = importlib.util.spec_from_file_location("old_ddp_train", opts.old)
+            old = sys.modules["old_ddp_train"] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(old)
+            old_args = old.parse_args([*argv, "--out-dir", f"{out}/old"])
+            variants[f"{opts.old}"] = (old, built(old, old_args, ctx), None)
+        own = {name: v[1].step_count for name, v in variants.items()}
+        times = {name: [] for name in variants}
+        order = [name for _ in range(opts.rounds * 3) for name in variants]
+        random.Random(0).shuffle(order)  # the same order on every rank
+        for name in [*variants, *order]:  # a first, untimed block of each: warm
+            module, job_of, swap = variants[name]
+            job_of.step_count = swap or own[name]
+            ddp_train.COUNT_UNIT = "tokens" if name.startswith("tokens") else "samples"  # tokens: the all-reduce
+            steps = module.plan_steps(module.my_share(job_of.sampler, ctx), job_of)[:100]
+            data, stats = job_of.train_data.batches([mb for s in steps for mb in s], 0), module.EpochStats(ctx, "off")
+            dist.barrier()
+            started = time.perf_counter()
+            for i, step in enumerate(steps):
+                module.train_step(job_of, data, len(step), stats)
+                if "without the agreement" not in name:
+                    job_of.agreement.decide(i + 1)
+            stats.fold(module.Progress())
+            times[name].append((time.perf_counter() - started) / len(steps) * 1e3)
+        if ctx.is_main:
+            print(f"{'the step count, default task, torchrun 2 x 1, 32/process':<72} {'ms per step, median (min-max)':>30}")
+            for name, ms in times.items():
+                print(f"{name:<72} {spread(ms[1:], lambda v: f'{v:.2f}'):>30}")
+        for _, job_of, _ in variants.values():
+            job_of.agreement.close()
+        del variants, job, job_of, own
+        ddp_train.cleanup_distributed(ctx)
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one short round (4,096 samples, 2 epochs)")
@@ -400,6 +484,10 @@ def main(argv=None):
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--timeout", type=float, default=600, help="seconds for any one run")
     p.add_argument("--gpu-modes", action="store_true", help="make test-gpu: a short run in every GPU mode, as a table")
+    p.add_argument("--count-ab", action="store_true", help="A/B of the step's count: blocks of steps alternated in "
+                   "one torchrun 2 x 1 job (--rounds x 3 blocks of 100 steps each)")
+    p.add_argument("--old", help="with --count-ab: an earlier ddp_train.py to compare too")
+    p.add_argument("--count-ab-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--baseline", choices=tuple(BASELINES), help=argparse.SUPPRESS)
     p.add_argument("--metrics", help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
@@ -408,6 +496,8 @@ def main(argv=None):
         return BASELINES[opts.baseline](opts)
     if opts.gpu_modes:
         return gpu_modes(opts)
+    if opts.count_ab or opts.count_ab_worker:
+        return count_ab_worker(opts) if opts.count_ab_worker else count_ab(opts)
     if opts.quick:
         opts.rounds, opts.epochs, opts.num_samples, opts.lm_samples = 1, 2, 4096, 32
 

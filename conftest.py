@@ -697,7 +697,7 @@ if __name__ == "__main__":
 """,
     # Mistakes: per-sample losses instead of their sum (BAD=loss); items that do not batch (BAD=items);
     # a bug in __getitem__ (BAD=getitem); a collate_fn that raises (BAD=collate); a streaming
-    # IterableDataset (BAD=iterable).
+    # IterableDataset (BAD=iterable), a count of samples that turns into something else (BAD=count).
     "bad.py": """
 import os
 import sys
@@ -725,6 +725,16 @@ def compute_loss(model, batch):
     return F.cross_entropy(model(images), labels, reduction="none"), len(labels)
 
 
+calls = 0
+
+
+def miscounting_loss(model, batch):  # right on the first batch, then twice the samples (tokens, say)
+    global calls
+    calls += 1
+    images, labels = batch
+    return F.cross_entropy(model(images), labels, reduction="sum"), len(labels) * (1 if calls <= 2 else 2)
+
+
 class Odd:
     pass
 
@@ -749,6 +759,8 @@ def build_datasets(args):
 
 if os.environ["BAD"] == "loss":
     ddp_train.compute_loss = compute_loss
+elif os.environ["BAD"] == "count":
+    ddp_train.compute_loss = miscounting_loss
 elif os.environ["BAD"] == "collate":
     ddp_train.collate_fn = collate_fn
 elif os.environ["BAD"] == "iterable":

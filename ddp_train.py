@@ -296,8 +296,9 @@ def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints) -> int:
         data = job.train_data.batches([mb for step in steps[progress.step_in_epoch :] for mb in step], progress.epoch)
         stats.start_epoch(progress)
         for step in range(progress.step_in_epoch, job.steps_per_epoch):  # (a resumed epoch skips the done)
-            train_step(job, data, len(steps[step]), stats)
-            progress.step_done(samples_in_step(step, job))
+            samples = samples_in_step(step, job)  # over all ranks: the plan knows it
+            train_step(job, data, len(steps[step]), samples, stats)
+            progress.step_done(samples)
             # --- periodic: all ranks decide together (a signal, rank 0's clocks), then act together ---
             stopping, log_now, save_now = job.agreement.decide(progress.step)
             if stopping or log_now or save_now:
@@ -322,7 +323,7 @@ def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints) -> int:
     return 0
 
 
-def train_step(job: Job, data, n_micro: int, stats: EpochStats) -> None:
+def train_step(job: Job, data, n_micro: int, samples: int, stats: EpochStats) -> None:
     """One optimizer step: forward and backward over this rank's micro-batches, then the update."""
     args, ctx, count = job.args, job.ctx, 0
     for micro in range(n_micro):
@@ -333,11 +334,11 @@ def train_step(job: Job, data, n_micro: int, stats: EpochStats) -> None:
                 loss_sum, n, _ = call_compute_loss(job.forward, next(data), ctx)
             count = count + n  # what this rank's losses sum over in this step: samples, tokens
             if last:
-                job.step_count.start(count)  # DDP: summed over all ranks while this backward runs
+                job.step_count.start(count, samples)  # DDP: the count over all ranks (tokens: summed now)
             job.scaler.scale(loss_sum / job.typical_count).backward()  # the sum: / the global count below
         stats.add(loss_sum, n)
     if n_micro == 0:  # DDP: none of the step's samples are here, but every rank joins the all-reduces
-        zero_gradient_backward(job.ddp_model, job.step_count)
+        zero_gradient_backward(job.ddp_model, job.step_count, samples)
     stats.end_step(mean_gradients(job, job.step_count.total()))  # DDP: sums / the global count, then clipped
     job.scaler.step(job.optimizer)
     job.scaler.update()
@@ -990,18 +991,22 @@ def my_share(sampler: DistributedSampler, ctx: DistContext) -> list[int]:
 
 
 class StepCount:
-    """DDP: the step's count (samples or tokens: what compute_loss's losses sum over) over all ranks.
-    One small all-reduce, started before the step's last backward and waited for after it: it runs
-    while backward computes, ahead of the gradient buckets. On a GPU the count stays there: no
-    host-device sync in a step."""
+    """DDP: the step's count (what compute_loss's losses sum over) over all ranks.
+    - Samples (COUNT_UNIT = "samples"): every rank knows it from the plan, so no rank sends anything.
+      That compute_loss really counts samples is checked on the first batch (warm_up) and at every fold.
+    - Any other unit (tokens): one small all-reduce, started before the step's last backward and waited
+      for after it: it runs while backward computes, ahead of the gradient buckets. On a GPU the count
+      stays there: no host-device sync in a step."""
 
     def __init__(self, ctx: DistContext):
         self.ctx, self.count, self.work = ctx, 0, None
 
-    def start(self, count) -> None:
-        """This rank's count of the step, before the step's last backward."""
+    def start(self, count, samples: int) -> None:
+        """This rank's count of the step, before the step's last backward; samples: the step's, all ranks'."""
         self.count = count
-        if self.ctx.distributed:
+        if COUNT_UNIT == "samples":
+            self.count = samples
+        elif self.ctx.distributed:
             self.count = count_tensor(count, self.ctx.device)
             self.work = dist.all_reduce(self.count, async_op=True)  # SUM
 
@@ -1010,7 +1015,7 @@ class StepCount:
         if self.work is not None:
             self.work.wait()  # on a GPU: the stream waits, not the host
             self.work = None
-        return float(self.count) if self.ctx.device.type == "cpu" else self.count
+        return float(self.count) if self.ctx.device.type == "cpu" or not torch.is_tensor(self.count) else self.count
 
 
 def count_tensor(count, device: torch.device) -> torch.Tensor:
@@ -1020,6 +1025,15 @@ def count_tensor(count, device: torch.device) -> torch.Tensor:
     if torch.is_tensor(count):
         return count.detach().to(device=device, dtype=torch.float64).reshape(())
     return torch.full((), float(count), dtype=torch.float64, device=device)
+
+
+def check_count_unit(count: float, samples: int, ctx: DistContext) -> None:
+    """With COUNT_UNIT = "samples" the gradient's mean divides by the plan's sample count, not by what
+    compute_loss returned: the two must agree."""
+    if COUNT_UNIT == "samples" and count != samples:
+        fail(f"compute_loss counted {whole(count)} for {samples} samples, but COUNT_UNIT is \"samples\": return the "
+             "batch's sample count, or set COUNT_UNIT to what your count counts (ddp_train.COUNT_UNIT = \"tokens\")",
+             ctx=ctx)
 
 
 def whole(x: float):
@@ -1091,7 +1105,7 @@ def split(indices: list[int], most: int) -> list[list[int]]:
     return [indices[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def zero_gradient_backward(ddp_model: nn.Module, step_count: StepCount) -> None:
+def zero_gradient_backward(ddp_model: nn.Module, step_count: StepCount, samples: int) -> None:
     """A forward and backward through DDP that reads no data and contributes zero gradients, with a
     count of 0, so that a rank without samples in a step still takes part in its collectives, in the
     order every other rank runs them: the forward's buffer broadcast, the count, the gradient buckets.
@@ -1103,7 +1117,7 @@ def zero_gradient_backward(ddp_model: nn.Module, step_count: StepCount) -> None:
         zero = ddp_model()
     finally:
         del module.forward  # back to the class's own forward
-    step_count.start(0)
+    step_count.start(0, samples)
     zero.backward()
 
 
@@ -1406,11 +1420,12 @@ def warm_up(job: Job) -> None:
     starts training on rebuilt buckets, the all-reduce rounds the same (bit-exact resume with more
     than two ranks). It also checks that every parameter gets a gradient, and notes the batch's count."""
     with preserved_state(job.model, job.ctx):
-        batch, _ = job.train_data.first_batch()  # the same samples on every rank
+        batch, samples = job.train_data.first_batch()  # the same samples on every rank
         with autocast(job.args, job.ctx):
             loss_sum, count, _ = call_compute_loss(job.ddp_model, batch, job.ctx)
         loss_sum.backward()
         check_every_parameter_got_a_gradient(job)
+    check_count_unit(float(count), samples, job.ctx)
     job.typical_count = float(count) if float(count) > 0 else 1.0
     if job.ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(job.ctx.device)  # peak_gpu_mem_mb: training's, not resuming's
@@ -1494,6 +1509,7 @@ class EpochStats:
             self.fold_norms(torch.stack(self.norms), first)
         progress.loss_sum += loss_sum
         progress.count += count
+        check_count_unit(progress.count, progress.samples, self.ctx)  # the plan's samples scaled the gradients
         self.step_losses, self.norms, self.count = [], [], 0
 
     def fold_norms(self, norms: torch.Tensor, first: int) -> None:

@@ -527,6 +527,7 @@ def test_rank0_first_preparation_and_slow_checkpoint_writes_outlast_the_timeout(
     ("collate", "cannot batch the items of Digits: your collate_fn raised AttributeError: 'tuple' object has no "
                 "attribute 'tolist'"),
     ("iterable", "build_datasets returned an IterableDataset (Stream) as the train set"),
+    ("count", 'but COUNT_UNIT is "samples": return the batch\'s sample count'),
 ])
 def test_a_wrong_compute_loss_or_unbatchable_items_are_one_line(project, tmp_path, bad, says):
     r = run(digits_cmd(project, "spawn", "--workers", "1", script="bad.py"), tmp_path, env=clean_env(BAD=bad), expect=2)
