@@ -455,7 +455,8 @@ def count_ab_worker(opts) -> int:
             dist.barrier()
             started = time.perf_counter()
             for i, step in enumerate(steps):
-                module.train_step(job_of, data, len(step), stats)
+                planned = [module.samples_in_step(i, job_of)] if module is ddp_train else []  # (older: none)
+                module.train_step(job_of, data, len(step), *planned, stats)
                 if "without the agreement" not in name:
                     job_of.agreement.decide(i + 1)
             stats.fold(module.Progress())

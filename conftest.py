@@ -989,14 +989,14 @@ import ddp_train
 steps = 0
 
 
-def train_step(job, data, n_micro, stats, step=ddp_train.train_step):
+def train_step(job, data, n_micro, samples, stats, step=ddp_train.train_step):
     global steps
     steps += 1
     if steps <= 2:
-        return step(job, data, n_micro, stats)
+        return step(job, data, n_micro, samples, stats)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        return step(job, data, n_micro, stats)
+        return step(job, data, n_micro, samples, stats)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
