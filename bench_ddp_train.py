@@ -459,10 +459,12 @@ def count_ab_worker(opts) -> int:
                 module.train_step(job_of, data, len(step), *planned, stats)
                 if "without the agreement" not in name:
                     job_of.agreement.decide(i + 1)
-            stats.fold(module.Progress())
+            trained = sum(module.samples_in_step(i, job_of) for i in range(len(steps)))
+            stats.fold(module.Progress(samples=trained))  # (the plan's samples: what the counts must add up to)
             times[name].append((time.perf_counter() - started) / len(steps) * 1e3)
         if ctx.is_main:
-            print(f"{'the step count, default task, torchrun 2 x 1, 32/process':<72} {'ms per step, median (min-max)':>30}")
+            title = "the step count, default task, torchrun 2 x 1, 32/process"
+            print(f"{title:<72} {'ms per step, median (min-max)':>30}")
             for name, ms in times.items():
                 print(f"{name:<72} {spread(ms[1:], lambda v: f'{v:.2f}'):>30}")
         for _, job_of, _ in variants.values():

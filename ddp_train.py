@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import itertools
 import json
@@ -101,7 +102,7 @@ def compute_loss(model: nn.Module, batch) -> tuple:
 # collate_fn(items) -> batch: how a list of items becomes one batch. torch's default stacks tensors and
 # numbers of equal shapes; items of different lengths need one that pads them (examples/tinylm.py).
 collate_fn = default_collate
-COUNT_UNIT = "samples"  # what compute_loss's count counts ("tokens"): names the throughput in the log
+COUNT_UNIT = "samples"  # what compute_loss's count counts: samples (known from the plan) or "tokens" (summed)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -120,11 +121,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("distributed")
     g.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="auto: nccl with CUDA, else gloo")
-    g.add_argument("--timeout", type=above(0.0), default=1800.0,
-                   help="seconds to wait for peers at start and in any collective before failing. Generous: with "
-                        "--compile one rank's cold compile can take many minutes longer than another's, and a "
-                        "shorter wait (NCCL's own default is 600) kills a healthy job. A peer that dies is "
-                        "noticed at once; only one cut off from the network is waited for this long")
     g = p.add_argument_group("the default task")
     g.add_argument("--num-samples", type=at_least(1), default=32768, help="training samples")
     g.add_argument("--eval-samples", type=at_least(0), default=4096, help="evaluation samples (0: no evaluation)")
@@ -228,6 +224,10 @@ class Job:
     agreement: Agreement  # what the ranks decide together at each step: stop, log, save
     step_count: StepCount  # the step's count over all ranks: one small all-reduce beside backward
     typical_count: float = 1.0  # the first batch's count: the scale of the sums that backward sees
+
+    @functools.cached_property
+    def params(self) -> list[nn.Parameter]:  # every trainable parameter, listed once: what the gradient steps cover
+        return [p for p in self.model.parameters() if p.requires_grad]
 
 
 def train(args, ctx: DistContext, agreement: Agreement) -> int:
@@ -445,6 +445,11 @@ def add_machinery_arguments(p: argparse.ArgumentParser) -> None:
                         "process and micro-batch, and the micro-batches per step follow (a resume on another "
                         "world size, as torchrun --nnodes=MIN:MAX does, continues the same run)")
     g = p.add_argument_group("launching")
+    g.add_argument("--timeout", type=above(0.0), default=1800.0,
+                   help="seconds to wait for peers at start and in any collective before failing. Generous: with "
+                        "--compile one rank's cold compile can take many minutes longer than another's, and a "
+                        "shorter wait (NCCL's own default is 600) kills a healthy job. A peer that dies is "
+                        "noticed at once; only one cut off from the network is waited for this long")
     g.add_argument("--spawn", type=at_least(0), default=0, help="start N local processes, no launcher needed")
     g.add_argument("--init-method", default="env://",
                    help="env:// (MASTER_ADDR/MASTER_PORT), tcp://HOST:PORT or file:///shared/path")
@@ -1790,14 +1795,13 @@ def mean_gradients(job: Job, count) -> torch.Tensor:
     them in fp16's range), and DDP averaged them over ranks: x world size x typical_count / count.
     Returns the gradient norm before clipping (a 0-dim tensor: no host sync)."""
     job.scaler.unscale_(job.optimizer)  # Trap: clip and log the true gradients, not fp16's loss-scaled ones
-    params = [p for p in job.model.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
+    grads = [p.grad for p in job.params if p.grad is not None]
     scale = gradient_scale(count, job.ctx.world_size * job.typical_count, grads[0].dtype)  # DDP: sums -> mean
     if scale is not None:
         torch._foreach_mul_(grads, scale)  # one kernel for all gradients (what torch's own optimizers use)
     norm = torch.nn.utils.get_total_norm(grads)
     if job.args.clip_grad_norm:
-        torch.nn.utils.clip_grads_with_norm_(params, job.args.clip_grad_norm, norm)
+        torch.nn.utils.clip_grads_with_norm_(job.params, job.args.clip_grad_norm, norm)
     return norm
 
 
