@@ -776,12 +776,12 @@ class Agreement:
     long done by then, so that it never waits on the network or a GPU. A vote costs about a millisecond
     on gloo (a third of a small model's step on 2 CPU cores), so the ranks vote about every VOTE_SECONDS,
     not every step: rank 0 proposes in each vote how many steps until the next, from its own pace, and
-    every rank reads the same number. A stop, a progress line or a save then comes at most about two
-    votes after it was due.
+    every rank reads the same number. At most VOTE_STEPS apart, so that a pace that changes (a slower
+    phase, the run's end) cannot put a vote far off. What was due comes at most about two votes later.
     A signal handler runs no collective (trap: a collective inside a handler deadlocks): it only sets
     a flag. A second Ctrl-C, a second or more after the first, stops at once, without saving."""
 
-    VOTE_SECONDS = 0.25
+    VOTE_SECONDS, VOTE_STEPS = 0.25, 10
 
     def __init__(self, ctx: DistContext, args):
         self.ctx, self.args, self.received, self.received_at, self.pending = ctx, args, 0, 0.0, None
@@ -838,7 +838,7 @@ class Agreement:
         now, gap = time.monotonic(), 0
         if self.ctx.is_main and self.voted:
             per_step = (now - self.voted[1]) / (step - self.voted[0])
-            gap = max(1, min(1000, int(self.VOTE_SECONDS / max(per_step, 1e-6))))
+            gap = max(1, min(self.VOTE_STEPS, int(self.VOTE_SECONDS / max(per_step, 1e-6))))
         self.voted, self.next_vote = (step, now), step + self.gap
         self.flag = torch.tensor([*self.flags(), float(gap)])
         self.pending = dist.all_reduce(self.flag, group=self.ctx.control_group, async_op=True)  # SUM

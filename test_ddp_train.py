@@ -297,10 +297,11 @@ def test_user_dataset_two_ranks_match_one_process_with_augmentation_and_odd_size
 
 def test_user_dataset_resumed_on_another_world_size_matches_the_uninterrupted_run(project, tmp_path, reference):
     # Stopped mid-epoch 2 under --spawn 2 x 32, resumed by one process x 64: the same samples with
-    # the same augmentation in every later step, each exactly once.
+    # the same augmentation in every later step, each exactly once. The signal comes at the first step of
+    # epoch 2 (23 steps an epoch): the ranks agree on it within two votes, at most 10 steps apart each.
     plain = str(project / "plain.py")
     first = run(python_cmd(*PLAIN, "--batch-size", "32", "--spawn", "2", script=plain), tmp_path,
-                env=clean_env(STOP_SIGNAL="TERM", STOP_TARGET="parent", STOP_AT=30), expect=75)
+                env=clean_env(STOP_SIGNAL="TERM", STOP_TARGET="parent", STOP_AT=24), expect=75)
     m = re.search(r"stopped by a signal at step (\d+)", first.stdout)
     assert m and 23 < int(m.group(1)) < 46, first
     final = run(python_cmd(*PLAIN, "--batch-size", "64", script=plain), tmp_path)
@@ -1195,7 +1196,7 @@ def test_sigterm_to_make_train_cpu_saves_a_checkpoint_that_takes_longer_than_tor
     m = re.search(r"stopped by a signal at step (\d+).*exit code 75", saved.stdout)
     assert m, saved.stdout + saved.stderr
     checkpoint = tmp_path / "saved" / "checkpoint.pt"
-    assert torch.load(checkpoint, weights_only=True)["step"] == int(m.group(1))
+    assert torch.load(checkpoint, weights_only=True)["progress"]["step"] == int(m.group(1))
     assert checkpoint.stat().st_mtime - signalled > 30 and took > 35, took  # the save really took 35 s
     # With torchrun's 30 s the workers were SIGKILLed mid-save: nothing saved, nothing said.
     assert codes["cut"] == 2, cut.stderr
