@@ -222,7 +222,7 @@ class Job:
     flops_per_sample: float | None  # training FLOPs (forward + backward), counted on the first batch
     peak_flops: float | None  # all GPUs' peak FLOP/s at the precision the model runs in, for MFU
     agreement: Agreement  # what the ranks decide together at each step: stop, log, save
-    step_count: StepCount  # the step's count over all ranks: one small all-reduce beside backward
+    step_count: StepCount  # the step's count over all ranks: samples from the plan, tokens summed
     typical_count: float = 1.0  # the first batch's count: the scale of the sums that backward sees
 
     @functools.cached_property
