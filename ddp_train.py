@@ -462,6 +462,11 @@ def add_machinery_arguments(p: argparse.ArgumentParser) -> None:
 # ============================================================================
 
 CHECKPOINT_FORMAT = "ddp_train.checkpoint/2"  # /2: each stateful part under its own name
+
+
+def any_checkpoint(obj) -> bool:
+    """A checkpoint of this script, of any format version (each has the model's weights under "model")."""
+    return isinstance(obj, dict) and str(obj.get("format")).startswith(CHECKPOINT_FORMAT.rsplit("/", 1)[0] + "/")
 RANK_STREAM = -2  # mixed with --seed and the rank: each rank's own random stream for the model
 
 
@@ -635,7 +640,7 @@ def load_checkpoint(args, ctx: DistContext) -> tuple[dict, str] | None:
             if args.resume != "auto" and isinstance(ckpt, dict) and all(map(torch.is_tensor, ckpt.values())):
                 fail(f"--resume {path}: it holds model weights, not a checkpoint; --init-from {path} starts a "
                      "new run from them", ctx=ctx)
-            older = isinstance(ckpt, dict) and str(ckpt.get("format")).startswith("ddp_train.checkpoint/")
+            older = any_checkpoint(ckpt)
             problems.append((path, f"{path} is {'an older ' + PROG if older else 'not a ' + PROG} checkpoint"
                                    f"{' (--init-from it starts a new run from its weights)' if older else ''}"))
             continue
@@ -676,7 +681,7 @@ def init_weights(model: nn.Module, path: str, ctx: DistContext) -> None:
         saved = load_to_cpu(path, ctx)
     except Exception as exc:
         fail(f"--init-from {path}: cannot read it ({first_line(exc)[:120]})", ctx=ctx)
-    if isinstance(saved, dict) and str(saved.get("format")).startswith("ddp_train.checkpoint/"):
+    if any_checkpoint(saved):
         saved = saved["model"]  # a checkpoint of any version: its model
     check_same_model(saved, model, path, ctx)
     model.load_state_dict(saved)
@@ -785,7 +790,7 @@ class Agreement:
 
     def __init__(self, ctx: DistContext, args):
         self.ctx, self.args, self.received, self.received_at, self.pending = ctx, args, 0, 0.0, None
-        self.flag, self.next_vote, self.gap, self.voted = torch.zeros(4), 0, 1, None  # voted: (step, time)
+        self.flag, self.next_vote, self.gap, self.voted = None, 0, 1, None  # voted: (step, time)
         self.logged_at = self.saved_at = time.monotonic()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handler)
@@ -908,7 +913,7 @@ class Loader:
         # The DataLoader's batch sampler: the batches of the next pass, set before each (it iterates the list).
         self.samples, self.plan, self.loader = SeededSamples(dataset, seed), [], None
         on_gpu = ctx.device.type == "cuda"
-        if self.in_memory:  # no workers needed: a batch is one index gather
+        if in_memory(dataset):  # no workers needed: a batch is one index gather
             return
         if workers < 0:  # by default none on the CPU (they would take the cores training needs), a few on a
             workers = min(4, max(1, process_cpus(ctx) - 1)) if on_gpu else 0  # GPU: a core each, one for training
@@ -919,11 +924,6 @@ class Loader:
                                      persistent_workers=True, pin_memory=on_gpu, collate_fn=collate,
                                      worker_init_fn=leave_signals_to_trainer, generator=torch.Generator())
 
-    @property
-    def in_memory(self) -> bool:
-        """Exactly a TensorDataset (a subclass may augment in its own __getitem__), batched by stacking."""
-        return type(self.dataset) is TensorDataset and collate_fn is default_collate
-
     def first_batch(self) -> tuple[object, int]:
         """The training set's first micro-batch (samples 0, 1, ... of epoch 0), and its sample count."""
         indices = list(range(min(self.batch_size, len(self.dataset))))
@@ -931,7 +931,7 @@ class Loader:
 
     def batches(self, micro_batches: list[list[int]], epoch: int):
         """Yield the batches of `epoch` made of these sample indices, in order."""
-        if self.in_memory:
+        if in_memory(self.dataset):
             # In-memory tensors: gather a whole batch with one index op instead of collating samples.
             tensors = self.dataset.tensors
             flat = torch.as_tensor(list(itertools.chain(*micro_batches)), dtype=torch.long, device=tensors[0].device)
@@ -945,6 +945,11 @@ class Loader:
             if isinstance(batch, Unbatchable):
                 fail(f"cannot batch the items of {type(self.dataset).__name__}: {batch.why}", ctx=self.ctx)
             yield to_device(batch, self.ctx.device)
+
+
+def in_memory(dataset) -> bool:
+    """Exactly a TensorDataset (a subclass may augment in its own __getitem__), batched by stacking."""
+    return type(dataset) is TensorDataset and collate_fn is default_collate
 
 
 class SeededSamples(Dataset):
@@ -1216,8 +1221,8 @@ def to_device(batch, device: torch.device):
 def place_dataset(dataset: Dataset | None, ctx: DistContext) -> Dataset | None:
     """In-memory tensor datasets move to the GPU once, so that batches never cross PCIe. (Data larger
     than GPU memory belongs in a Dataset that loads on demand, read through the DataLoader.)"""
-    if type(dataset) is TensorDataset and collate_fn is default_collate and ctx.device.type == "cuda":
-        return TensorDataset(*(t.to(ctx.device) for t in dataset.tensors))  # (Loader.in_memory: the same test)
+    if in_memory(dataset) and ctx.device.type == "cuda":  # only what the Loader reads without workers
+        return TensorDataset(*(t.to(ctx.device) for t in dataset.tensors))
     return dataset
 
 
