@@ -38,7 +38,7 @@
 # still running 15 s after that. The workers exit 75 once their checkpoint is saved, torchrun and this
 # script 1. (To stop its workers for a restart, as when a node joins, torchrun keeps its own 30 s.) On
 # SLURM, scancel, a requeue and the time limit send SIGKILL KillWait seconds (default 30) after their
-# SIGTERM, whatever SHUTDOWN_TIMEOUT is: see the README. It prints the timeouts and the exact torchrun
+# SIGTERM, whatever SHUTDOWN_TIMEOUT is: see docs/fault-tolerance.md. It prints the timeouts and the exact torchrun
 # command on stderr before it starts.
 #
 # SLURM: `--slurm` takes NNODES, NODE_RANK, RDZV_ID and NPROC_PER_NODE from the job step, MASTER_ADDR
