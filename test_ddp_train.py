@@ -114,13 +114,6 @@ def test_sbatch_script_running_python_directly_is_one_process(tmp_path):
     check_completed_run(run(python_cmd(*SMALL), tmp_path, env=env), 1, "python")
 
 
-@pytest.mark.parametrize("scheme", ["tcp", "file"])
-def test_tcp_and_file_init_methods(tmp_path, scheme):
-    where = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/rendezvous"
-    r = run(python_cmd(*SMALL, "--spawn", 2, "--init-method", where), tmp_path)
-    check_completed_run(r, 2, "spawn")
-
-
 def test_two_torchrun_nodes_on_localhost_only_rank0_writes(tmp_path):
     # Two "nodes", each one torchrun with one process, each in its own directory with a
     # relative --out-dir: node 1's directory must stay empty.
@@ -277,8 +270,8 @@ def test_user_dataset_resumes_bit_identical_with_augmentation_dropout_and_worker
 
 
 # A deterministic model (no BatchNorm, no Dropout) on randomly augmented data, clipped (the largest
-# gradient norm is about 0.5) and with its lr scaled to the global batch of 64: 23 steps per epoch.
-PLAIN = ["--epochs", "2", "--clip-grad-norm", "0.25", "--scale-lr", "32"]
+# gradient norm is about 0.5), with a global batch of 64: 23 steps per epoch.
+PLAIN = ["--epochs", "2", "--clip-grad-norm", "0.25", "--lr", "0.002"]
 
 
 def test_user_dataset_two_ranks_match_one_process_with_augmentation_and_odd_size(project, tmp_path, reference):
@@ -287,7 +280,7 @@ def test_user_dataset_two_ranks_match_one_process_with_augmentation_and_odd_size
     two = run(torchrun_cmd(2, *PLAIN, "--batch-size", "32", script=plain), tmp_path, out="two")
     one = reference(python_cmd(*PLAIN, "--batch-size", "64", script=plain))
     assert_same_weights(two.weights, one.weights)
-    assert "lr 0.002," in two.stdout and two.metrics[0]["grad_norm_max"] > 0.25  # 0.001 x 64 / 32, and it clipped
+    assert "lr 0.002," in two.stdout and two.metrics[0]["grad_norm_max"] > 0.25  # it clipped
     for a, b in zip(two.metrics, one.metrics):
         assert a["train_samples"] == b["train_samples"] == 1437
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
@@ -473,8 +466,10 @@ def test_finished_runs_say_so_train_on_with_more_epochs_and_seed_new_runs(tmp_pa
     assert "holds a finished run" in again.stdout and "Raise --epochs" in again.stdout
     assert not re.search(r"^epoch ", again.stdout, re.M) and again.out_dir.joinpath("model.pt").exists()
     more = run(python_cmd(*SMALL, "--epochs", "2"), tmp_path)
-    assert "--epochs 1 -> 2: the learning-rate schedule now spans 2 epochs (64 steps)" in more.stdout, more
-    assert [m["epoch"] for m in more.metrics] == [1, 2] and more.metrics[1]["lr"] == 0.0  # the cosine's end
+    assert "the learning-rate schedule spans 64 steps" in more.stdout, more
+    # The record's lr is the last step's: the cosine over 64 steps at step 63 (0-based), near its end.
+    last_lr = 1e-3 * 0.5 * (1 + math.cos(math.pi * 63 / 64))
+    assert [m["epoch"] for m in more.metrics] == [1, 2] and more.metrics[1]["lr"] == pytest.approx(last_lr, rel=1e-9)
     # model.pt is weights only: --resume says what to use instead; --init-from starts a new run from it.
     r = run(python_cmd(*SMALL, "--resume", model_pt), tmp_path, out="other", expect=2)
     assert len(r.stderr.strip().splitlines()) == 1 and f"--init-from {model_pt}" in r.stderr, r
@@ -484,12 +479,11 @@ def test_finished_runs_say_so_train_on_with_more_epochs_and_seed_new_runs(tmp_pa
     assert seeded.metrics[0]["eval_loss"] == more.metrics[-1]["eval_loss"]
 
 
-def test_clipping_and_scaled_lr_keep_two_ranks_equal_to_one_process(tmp_path):
-    # One clip per optimizer step, on the all-reduced gradient; --scale-lr follows the global batch.
-    knobs = ["--clip-grad-norm", "0.1", "--scale-lr", "32", "--grad-accum", "2"]
+def test_clipping_with_accumulation_keeps_two_ranks_equal_to_one_process(tmp_path):
+    # One clip per optimizer step, on the all-reduced gradient.
+    knobs = ["--clip-grad-norm", "0.1", "--lr", "0.002", "--grad-accum", "2"]
     two = run(torchrun_cmd(2, *SMALL, *knobs, "--batch-size", "16"), tmp_path, out="two")
     one = run(python_cmd(*SMALL, *knobs, "--batch-size", "32"), tmp_path, out="one")
-    assert "lr 0.002," in two.stdout and "lr 0.002," in one.stdout  # 0.001 x 64 / 32 for both
     assert_same_weights(two.weights, one.weights)
     for a, b in zip(two.metrics, one.metrics):
         assert a["grad_norm_max"] == pytest.approx(b["grad_norm_max"], rel=1e-4) and a["grad_norm_max"] > 0.1  # it clipped
@@ -960,12 +954,11 @@ def test_fp16_skipped_steps_are_counted_out_of_the_norm_and_metrics_stay_strict_
     [record] = [strict(line) for line in (some.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert 25 <= record["skipped_steps"] <= 35 and 0 < record["grad_norm_max"] < 100, record
     assert "warning" not in some.stderr, some
-    # Every step overflows: the loss scale keeps collapsing, and one line says so.
+    # Every step overflows: every step is counted as skipped.
     every = run(python_cmd("--epochs", 1, "--batch-size", 16, "--amp", "fp16", script=script), tmp_path, out="every",
                 env=clean_env(OVERFLOW_EVERY=1))
     [record] = [strict(line) for line in (every.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert record["skipped_steps"] == 90 and "grad_norm_max" not in record
-    assert every.stderr.count("the GradScaler skipped 20 optimizer steps in a row") == 1, every
 
 
 def test_ddp_buckets_follow_the_order_gradients_really_arrive_in(project, tmp_path):
@@ -1007,8 +1000,7 @@ def test_progress_lines_come_on_a_clock_with_percentage_throughput_and_a_fair_et
     assert all(line[3] == "2,048" for line in lines)  # 1,024 steps an epoch, 2 epochs
     # The last line's ETA against the time the run really took from there (whole seconds on both sides).
     elapsed, eta = seconds(*lines[-1][8:11]), seconds(*lines[-1][11:14])
-    total = re.search(r"saved .*: 2 epoch\(s\), 2048 steps, (\d+):(\d\d):(\d\d) since launch, [\d,]+ samples/s "
-                      r"while training$", r.stdout, re.M)
+    total = re.search(r"saved .*: 2 epoch\(s\), 2048 steps, (\d+):(\d\d):(\d\d) since launch$", r.stdout, re.M)
     assert total, r.stdout
     assert abs(seconds(*total.groups()) - elapsed - eta) <= 2, (lines[-1], total.group(0))
 
@@ -1232,15 +1224,21 @@ def test_four_ranks_stop_and_resume_bit_identical(tmp_path, reference):
     assert_same_weights(again.weights, reference(torchrun_cmd(4, *FOUR)).weights, exact=True)
 
 
-def test_truncated_checkpoint_falls_back_to_previous_one(tmp_path, reference):
+def test_a_truncated_checkpoint_stops_with_one_line_and_the_one_before_resumes_exactly(tmp_path, reference):
     first = run(python_cmd(*FT), tmp_path)
     ckpt, prev = first.out_dir / "checkpoint.pt", first.out_dir / "checkpoint.prev.pt"
-    ckpt.write_bytes(ckpt.read_bytes()[:1000])  # a torn write, a full disk, a bad copy
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])  # a full disk, a bad copy
     (first.out_dir / "model.pt").unlink()
-    r = run(python_cmd(*FT), tmp_path)
-    assert "warning: " in r.stderr and "checkpoint.pt is unreadable" in r.stderr, r
+    r = run(python_cmd(*FT), tmp_path, expect=2)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "checkpoint.pt is unreadable" in lines[0] and f"--resume {prev}," in lines[0], r
+    r = run(python_cmd(*FT, "--resume", prev), tmp_path)  # what the line says
     assert "resumed from" in r.stdout and "checkpoint.prev.pt" in r.stdout
-    assert (first.out_dir / "checkpoint.pt.unreadable").exists()
+    assert_same_weights(r.weights, reference(FT_PYTHON).weights, exact=True)
+    # A save stopped between its two renames leaves checkpoint.prev.pt alone: the rerun resumes from it.
+    ckpt.unlink()
+    r = run(python_cmd(*FT), tmp_path)
+    assert "resumed from" in r.stdout and "checkpoint.prev.pt" in r.stdout
     assert_same_weights(r.weights, reference(FT_PYTHON).weights, exact=True)
     # Rerunning a finished run changes nothing.
     done = run(python_cmd(*FT), tmp_path)
@@ -1808,47 +1806,13 @@ def test_dataloader_path_yields_the_same_batches_as_the_in_memory_path():
     assert all(torch.equal(a, b) for fa, sl in zip(fast, slow) for a, b in zip(fa, sl)) and len(fast) == len(slow)
 
 
-def test_bf16_gradient_compression_is_opt_in_and_changes_numerics(tmp_path, reference):
-    exact = reference(torchrun_cmd(2, *SMALL))
-    bf16 = run(torchrun_cmd(2, *SMALL, "--grad-compression", "bf16"), tmp_path)
-    one = reference(python_cmd(*SMALL, "--batch-size", 64))
-    assert_same_weights(exact.weights, one.weights)  # the default stays exact
-    with pytest.raises(AssertionError):
-        assert_same_weights(bf16.weights, one.weights)
-    # ... but it is the same training, to bf16 rounding of the gradients (8 bits of mantissa).
-    for k, v in bf16.weights.items():
-        assert (v - one.weights[k]).norm() <= 1e-2 * one.weights[k].norm(), k
-    assert bf16.metrics[-1]["train_loss"] == pytest.approx(one.metrics[-1]["train_loss"], rel=1e-2)
-
-
-@pytest.mark.fast
-def test_gpu_peak_table_picks_the_precision_and_the_exact_model():
-    peak = ddp_train.gpu_peak_tflops
-    assert peak("NVIDIA H100 80GB HBM3", "bf16") == 989.4 and peak("NVIDIA H100 PCIe", "off") == 51.2
-    assert peak("NVIDIA H100 NVL", "bf16") == 835.5  # not the SXM row
-    assert peak("NVIDIA H200 NVL", "bf16") == 835.5 and peak("NVIDIA H200 NVL", "off") == 60.0
-    assert peak("NVIDIA L4", "bf16") == 121.0 and peak("NVIDIA L40S", "off") == 91.6
-    assert peak("NVIDIA L40", "bf16") == 181.0  # not the L4 row
-    assert peak("NVIDIA GH200 480GB", "bf16") == 989.4 and peak("NVIDIA H200", "off") == 66.9
-    assert peak("NVIDIA H800", "bf16") == 989.4 and peak("NVIDIA H800 PCIe", "bf16") == 756.0
-    assert peak("NVIDIA B200", "bf16") == 2250.0 and peak("NVIDIA GB200", "bf16") == 2500.0  # not the B200 row
-    assert peak("Tesla V100-SXM2-16GB", "fp16") == 125.0 and peak("Tesla V100-PCIE-32GB", "fp16") == 112.0
-    assert peak("Tesla V100S-PCIE-32GB", "off") == 16.4
-    assert peak("Tesla V100-SXM2-16GB", "bf16") is None  # Volta has no bf16 tensor cores
-    assert peak("NVIDIA A100-SXM4-40GB MIG 3g.20gb", "bf16") is None  # a slice, not the GPU
-    assert peak("Some Future GPU", "bf16") is None
-
-
-@pytest.mark.fast
-def test_mfu_is_given_only_where_one_peak_holds_for_the_whole_model():
-    # torch's defaults run cuDNN convolutions in TF32 and matmuls in FP32: with --amp off a CNN mixes
-    # precisions whose peaks differ up to 8x, so its MFU over the FP32 peak would be overstated.
-    mixed = ddp_train.fp32_or_tf32
-    assert mixed("off", convolutions=True, tf32_convolutions=True, tf32_matmuls=False)  # a CNN, torch's defaults
-    assert not mixed("off", convolutions=False, tf32_convolutions=True, tf32_matmuls=False)  # an MLP: all FP32
-    assert not mixed("off", convolutions=True, tf32_convolutions=False, tf32_matmuls=False)  # TF32 turned off
-    assert mixed("off", convolutions=False, tf32_convolutions=False, tf32_matmuls=True)  # matmuls in TF32
-    assert not any(mixed(amp, True, True, True) for amp in ("bf16", "fp16"))  # autocast: the half-precision peak
+def test_mfu_is_the_counted_flops_over_the_peak_that_peak_tflops_gives(tmp_path):
+    # No table of GPU peaks (a GPU's peak depends on the precision, and FP32 runs mix in TF32): you say it.
+    none = run(python_cmd(*SMALL, "--epochs", 1), tmp_path, out="none")
+    assert "mfu" not in none.metrics[0] and "MFU" not in none.stdout and none.metrics[0]["tflops_per_process"] > 0
+    r = run(python_cmd(*SMALL, "--epochs", 1, "--peak-tflops", 0.002, "--log-seconds", 0.01), tmp_path)
+    record = r.metrics[0]
+    assert record["mfu"] == pytest.approx(record["tflops_per_process"] / 0.002, rel=1e-12) and "  MFU " in r.stdout
 
 
 def test_benchmark_quick_runs_and_prints_its_table(tmp_path):
@@ -1966,8 +1930,6 @@ def test_gpu_single_process_precisions_and_compile(tmp_path, extra):
     r = run(python_cmd(*SMALL, "--epochs", "3", *extra), tmp_path)
     assert "cuda:0" in r.stdout and r.metrics[-1]["eval_accuracy"] > 0.5
     assert r.metrics[-1]["peak_gpu_mem_mb"] > 0
-    if ddp_train.gpu_peak_tflops(torch.cuda.get_device_name(), "bf16"):
-        assert 0 < r.metrics[-1]["mfu"] < 1 and "MFU" in r.stdout
     ddp_train.build_model(default_args()).load_state_dict(r.weights)
 
 
@@ -1987,10 +1949,10 @@ def test_a_gpu_training_step_never_waits_for_the_gpu(project, tmp_path, launch):
 
 @gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_a_cnn_without_autocast_gets_no_mfu_unless_its_peak_is_given(project, tmp_path):
+def test_a_cnn_gets_mfu_only_from_the_peak_it_is_given(project, tmp_path):
     # cuDNN runs the convolutions in TF32 and the matmuls stay FP32 (torch's defaults): no one peak.
     off = run(digits_cmd(project, "python", "--epochs", 1), tmp_path, out="off")
-    assert "mfu" not in off.metrics[0] and "no MFU" in off.stdout, off
+    assert "mfu" not in off.metrics[0] and "MFU" not in off.stdout, off
     given = run(digits_cmd(project, "python", "--epochs", 1, "--peak-tflops", 100), tmp_path, out="given")
     assert 0 < given.metrics[0]["mfu"] < 1, given
     gpu_scale = ddp_train.gradient_scale(torch.tensor(64.0, dtype=torch.float64, device="cuda"), 128.0, torch.float32)
