@@ -10,9 +10,9 @@ One file, torch only. Launch it unchanged in any of these ways:
     srun --ntasks-per-node=8 --gpus-per-task=1 python ddp_train.py     # SLURM: one task per GPU
     python -m torch.distributed.launch --nproc_per_node=2 ddp_train.py  # the legacy launcher
 
-Your task is four functions at the top: build_datasets(), build_model(), compute_loss() and, for
-items of different shapes, collate_fn(). Edit them here, or import this file from your own script and
-assign yours (see the README).
+Your task is the functions at the top: build_datasets(), build_model(), compute_loss(), build_optimizer(),
+report() and, for items of different shapes, collate_fn(). Edit them here, or import this file from your
+own script and assign yours (see the README).
 
 Read it top to bottom: first the lesson, where each line DDP adds to a plain loop says "DDP:" and
 each classic trap "Trap:"; then, after a divider, the machinery, one section per feature.
@@ -47,6 +47,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils import flop_counter
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset, default_collate
 
@@ -98,6 +99,21 @@ def compute_loss(model: nn.Module, batch) -> tuple:
     return loss_sum, len(targets), {"accuracy": (logits.argmax(dim=1) == targets).sum()}
 
 
+def build_optimizer(args, model: nn.Module):
+    """One optimizer or a list of them, each trainable parameter in exactly one, in parameter groups as you
+    like (their own lr, weight_decay...): --schedule multiplies each group's lr. The default: AdamW as nanoGPT
+    sets it up, --weight-decay on matrices and embeddings (2 or more dimensions), none on biases and norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, fused=True)  # fused: one kernel
+
+
+def report(record: dict) -> None:
+    """Rank 0 calls this with every record it logs (progress lines, epochs, evaluations), each with its
+    "step" and "kind": plug W&B, MLflow or anything else in here (the README shows W&B). By default: nothing."""
+
+
 # collate_fn(items) -> batch: how a list of items becomes one batch. torch's default stacks tensors and
 # numbers of equal shapes; items of different lengths need one that pads them (examples/tinylm.py).
 collate_fn = default_collate
@@ -113,13 +129,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--batch-size", type=at_least(1), default=64,
                    help="samples per process and micro-batch (global batch: this x world size x --grad-accum)")
     g.add_argument("--grad-accum", type=at_least(1), default=1, help="micro-batches per optimizer step")
-    g.add_argument("--lr", type=at_least(0.0), default=1e-3, help="peak AdamW learning rate")
-    g.add_argument("--warmup-steps", type=at_least(0), default=0, help="linear warmup, then cosine decay to 0")
+    g.add_argument("--lr", type=at_least(0.0), default=1e-3, help="peak learning rate (build_optimizer's)")
+    g.add_argument("--warmup-steps", type=at_least(0), default=0, help="linear warmup, then --schedule")
     g.add_argument("--seed", type=int, default=0, help="seeds the data, the initial weights and the shuffle")
     g.add_argument("--out-dir", default="out", help="where rank 0 writes model.pt, checkpoints and metrics.jsonl")
-    g = p.add_argument_group("distributed")
-    g.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
-                   help="auto: nccl with CUDA, else gloo")
     g = p.add_argument_group("the default task")
     g.add_argument("--num-samples", type=at_least(1), default=32768, help="training samples")
     g.add_argument("--eval-samples", type=at_least(0), default=4096, help="evaluation samples (0: no evaluation)")
@@ -160,7 +173,7 @@ def init_distributed(args) -> DistContext:
     local_rank, local_world = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world))
     ctx = DistContext(rank, local_rank, world, local_world, launcher=launcher)
     share_cores(ctx)
-    backend = pick_backend(args, ctx)  # nccl with CUDA, else gloo
+    backend = "nccl" if torch.cuda.is_available() else "gloo"  # for CPU training, hide the GPUs (CUDA_VISIBLE_DEVICES=)
     if torch.cuda.is_available():
         ctx.device = gpu_of(ctx)  # DDP: one GPU per process, picked by LOCAL_RANK ...
         torch.cuda.set_device(ctx.device)  # ... and made current before init: nothing lands on GPU 0
@@ -201,65 +214,44 @@ def log(ctx: DistContext, message: str, error: bool = False) -> None:
 # ====== The training loop ===================================================================================
 
 
-@dataclasses.dataclass
-class Job:
-    """What the loop works with, built once by train()."""
-    args: argparse.Namespace
-    ctx: DistContext
-    model: nn.Module  # the raw model: saved, evaluated
-    ddp_model: nn.Module  # DDP(model), or the model itself in one process
-    forward: nn.Module  # ddp_model, compiled with --compile
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    state: dict  # every stateful part by name (model, optimizer, ...): what a checkpoint saves and restores
-    sampler: DistributedSampler
-    train_data: Loader
-    eval_data: Loader | None
-    global_batch: int
-    steps_per_epoch: int
-    flops_per_sample: float | None  # training FLOPs (forward + backward), counted on the first batch
-    agreement: Agreement  # what the ranks decide together at each step: stop, log, save
-    step_count: StepCount  # the step's count over all ranks: samples from the plan, tokens summed
-    typical_count: float = 1.0  # the first batch's count: the scale of the sums that backward sees
-
-    @functools.cached_property
-    def params(self) -> list[nn.Parameter]:  # every trainable parameter, listed once: what the gradient steps cover
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-
 def train(args, ctx: DistContext, agreement: Agreement) -> int:
     """Every rank builds the same data and model, wraps it in DDP, and trains. Returns the exit code."""
     seed_everything(args.seed)  # first: a random split inside build_datasets then agrees across ranks
     train_set, eval_set = (place_dataset(d, ctx) for d in build_datasets(args))
     check_datasets(train_set, eval_set, ctx)
+    check_recipe(args, eval_set, ctx)
     seed_everything(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(args).to(ctx.device)
     seed_everything(mix_seed(args.seed, RANK_STREAM, ctx.rank))  # DDP: each rank its own dropout masks
 
     # DDP: the batch of one optimizer step: per process x world size x accumulation, or --global-batch
     global_batch = args.global_batch or args.batch_size * ctx.world_size * args.grad_accum
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)  # fused: one kernel for all parameters
+    optimizers = Optimizers(build_optimizer(args, model), model, ctx)  # yours: one or a list, over every parameter
     steps_per_epoch = count_steps(len(train_set), global_batch, args, ctx)  # --drop-last: full steps only
+    total_steps = args.max_steps or args.epochs * steps_per_epoch  # --max-steps: as many epochs as that takes
     check_batchnorm_batch_sizes(model, len(train_set), global_batch, steps_per_epoch, args, ctx)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")  # fp16 only: loss scaling
     progress = Progress()
     # Everything a checkpoint saves and restores, by name: one more stateful part is one more line here.
-    state = {"model": model, "optimizer": optimizer, "scaler": scaler,
-             "progress": progress, "rng": RankRNG(ctx, args.seed, progress)}
+    state = {"model": model, "optimizers": optimizers, "scaler": scaler, "progress": progress,
+             "rng": RankRNG(ctx, args.seed, progress)}
+    if args.ema:  # --ema DECAY: an exponential moving average of the weights (and buffers), after every step
+        state["ema"] = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(args.ema), use_buffers=True)
 
-    checkpoints = Checkpoints(args, ctx, train_set, eval_set, global_batch)
-    if not checkpoints.resume(state, steps_per_epoch):
+    checkpoints = Checkpoints(args, ctx, train_set, eval_set, global_batch, optimizers)
+    if not checkpoints.resume(state, steps_per_epoch, total_steps):
         return 0  # a finished run, rerun: nothing to train
 
     train_data = Loader(train_set, args.batch_size, ctx, args.workers, args.seed)
     flops, why_not = count_flops(model, train_data, args, ctx) if args.count_flops else (None, "")  # before DDP
     ddp_model = wrap_model(model, args, ctx)
     job = Job(args, ctx, model, ddp_model, torch.compile(ddp_model) if args.compile else ddp_model,
-              optimizer, scaler, state,
+              optimizers, scaler, state,
               # DDP: each rank reads its own share of each epoch's shuffle; one process reads it all.
               DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed),
               train_data, Loader(eval_set, args.batch_size, ctx, args.workers, args.seed) if eval_set else None,
-              global_batch, steps_per_epoch, flops, agreement, StepCount(ctx))
+              global_batch, steps_per_epoch, total_steps, flops, agreement, StepCount(ctx),
+              Records(args, ctx, progress, total_steps, steps_per_epoch))
     warm_up(job)  # the first batch through DDP once, untrained: all-reduce buckets in the real order
     log_start(job, why_not)
     return train_loop(job, progress, checkpoints)
@@ -274,26 +266,30 @@ def wrap_model(model: nn.Module, args, ctx: DistContext) -> nn.Module:
             fail("--sync-bn needs CUDA: torch's SyncBatchNorm has no CPU implementation", ctx=ctx)
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # DDP: the wrap. It broadcasts rank 0's weights, then all-reduces gradients during backward().
-    ddp_model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                    find_unused_parameters=args.find_unused_parameters,
-                    gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets: one copy less
-    return ddp_model
+    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+               find_unused_parameters=args.find_unused_parameters,
+               gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets: one copy less
 
 
 def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints) -> int:
-    """Epochs of optimizer steps. All ranks run every line together; rank 0 alone prints and writes."""
+    """Optimizer steps, epoch after epoch, to the run's total. All ranks run every line together; rank 0
+    alone prints and writes."""
     args, ctx, stats = job.args, job.ctx, EpochStats(job.ctx, job.args.amp)
-    while progress.epoch < args.epochs:
+    while progress.step < job.total_steps:
         job.sampler.set_epoch(progress.epoch)  # Trap: without it every epoch repeats the same shuffle
         # DDP: this rank's samples of each step: its share of the step's global batch, as micro-batches.
         steps = plan_steps(my_share(job.sampler, ctx), job)
         data = job.train_data.batches([mb for step in steps[progress.step_in_epoch :] for mb in step], progress.epoch)
         stats.start_epoch(progress)
-        for step in range(progress.step_in_epoch, job.steps_per_epoch):  # (a resumed epoch skips the done)
-            samples = samples_in_step(step, job)  # over all ranks: the plan knows it
-            set_learning_rate(job, progress.step)  # --warmup-steps, then the cosine: x each group's own lr
+        last = min(job.steps_per_epoch, progress.step_in_epoch + job.total_steps - progress.step)  # --max-steps
+        for step in range(progress.step_in_epoch, last):  # (a resumed epoch skips the steps done)
+            # The step's samples over all ranks: the plan knows them (the epoch's last step may be short).
+            samples = min(len(job.sampler.dataset), (step + 1) * job.global_batch) - step * job.global_batch
+            set_learning_rate(job, progress.step)  # --warmup-steps, then --schedule: x each group's own lr
             train_step(job, data, len(steps[step]), samples, stats)
             progress.step_done(samples)
+            if args.eval_every and progress.step % args.eval_every == 0 and step < last - 1:  # (the end evaluates)
+                job.records({"kind": "eval", **evaluation(job, progress)})  # all ranks evaluate, rank 0 writes
             # --- periodic: all ranks decide together (a signal, rank 0's clocks), then act together ---
             stopping, log_now, save_now = job.agreement.decide(progress.step)
             if stopping or log_now or save_now:
@@ -304,17 +300,15 @@ def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints) -> int:
                 checkpoints.save(job)  # rank 0 writes, every rank waits for it
             if stopping:
                 return job.agreement.stopped(progress, args.out_dir)
-        # --- end of epoch: all ranks ---
+        # --- end of epoch (or of the run, with --max-steps): all ranks ---
         stats.fold(progress)  # DDP: all-reduce the loss sums: the exact global train loss
-        record = stats.epoch_record(progress, job)
-        broadcast_buffers(job.model, ctx)  # DDP: rank 0's BatchNorm statistics, before evaluating and saving
-        if job.eval_data:
-            record.update(evaluate(job.model, job.eval_data, args, ctx))
-        progress.next_epoch()
-        write_metrics(record, args, ctx)  # rank 0 only
+        record = {**stats.epoch_record(progress, job), **evaluation(job, progress)}
+        if progress.step_in_epoch == job.steps_per_epoch:
+            progress.next_epoch()
+        job.records(record)  # rank 0 only
         checkpoints.save(job)  # rank 0 writes, every rank waits for it
     job.agreement.close()
-    save_model(job.model, progress, args, ctx)
+    save_model(job.state, args, ctx)
     return 0
 
 
@@ -335,15 +329,19 @@ def train_step(job: Job, data, n_micro: int, samples: int, stats: EpochStats) ->
     if n_micro == 0:  # DDP: none of the step's samples are here, but every rank joins the all-reduces
         zero_gradient_backward(job.ddp_model, job.step_count, samples)
     stats.end_step(mean_gradients(job, job.step_count.total()))  # DDP: sums / the global count, then clipped
-    job.scaler.step(job.optimizer)
+    for optimizer in job.optimizers:
+        job.scaler.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
     job.scaler.update()
-    job.optimizer.zero_grad(set_to_none=True)
+    if "ema" in job.state:
+        job.state["ema"].update_parameters(job.model)
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Loader, args, ctx: DistContext) -> dict:
     """Loss and metric means over the whole eval set, each sample counted exactly once. All ranks:
     each evaluates its share with the raw model (DDP's forward may sync), then the sums are added."""
+    broadcast_buffers(model, ctx)  # DDP: rank 0's BatchNorm statistics on every rank: one model evaluated
     model.eval()
     # DDP: each rank evaluates its own share, in order; my_share() drops the sampler's padding.
     sampler = DistributedSampler(data.dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
@@ -362,15 +360,18 @@ def evaluate(model: nn.Module, data: Loader, args, ctx: DistContext) -> dict:
             **({f"eval_{COUNT_UNIT}": whole(count)} if COUNT_UNIT != "samples" else {})}
 
 
-def save_model(model: nn.Module, progress: Progress, args, ctx: DistContext) -> None:
-    """The final weights: rank 0 writes model.pt; every rank waits for it before leaving."""
+def save_model(state: dict, args, ctx: DistContext) -> None:
+    """The final weights: rank 0 writes model.pt (and --ema's model_ema.pt); every rank waits for it."""
+    model, progress = state["model"], state["progress"]
     check_finite(model, "the final weights", ctx)
     if ctx.is_main:  # DDP: rank 0 alone writes; the others hold the same weights
         path = os.path.join(args.out_dir, "model.pt")
         # Trap: save the raw module: DDP would prefix every key with "module.", torch.compile with "_orig_mod.".
         atomic_save(model.state_dict(), path)
+        if "ema" in state:
+            atomic_save(state["ema"].module.state_dict(), os.path.join(args.out_dir, "model_ema.pt"))
         log(ctx, f"saved {path}: {progress.epoch} epoch(s), {progress.step} steps, "
-                 f"{hms(time.monotonic() - STARTED)} since launch")
+                 f"{datetime.timedelta(seconds=int(time.monotonic() - STARTED))} since launch")
     wait_for_rank0(ctx)  # Trap: a barrier, so that no rank tears down before rank 0's files are written
 
 
@@ -404,13 +405,27 @@ def add_machinery_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
     g.add_argument("--workers", type=at_least(-1), default=-1,
                    help="DataLoader workers per process for Datasets that are not in-memory tensors (-1: none on "
-                        "the CPU, a few with CUDA). A Dataset holding CUDA tensors needs 0: forked workers cannot "
-                        "use CUDA")
+                        "the CPU, a few with CUDA; 0 for a Dataset holding CUDA tensors)")
     g.add_argument("--count-flops", action=argparse.BooleanOptionalAction, default=True,
-                   help="count the training FLOPs per sample on the first batch (torch's FlopCounterMode), for the "
-                        "FLOP/s and MFU figures")
+                   help="count the training FLOPs per sample on the first batch (torch's FlopCounterMode): FLOP/s, MFU")
     g.add_argument("--peak-tflops", type=at_least(0.0, strict=True), default=None,
                    help="peak TFLOP/s of one GPU at the precision training runs in (bf16, TF32, ...), for MFU")
+    g = p.add_argument_group("your recipe")
+    g.add_argument("--max-steps", type=at_least(1), default=None, metavar="N",
+                   help="train exactly N optimizer steps, through as many epochs as that takes (overrides --epochs)")
+    g.add_argument("--schedule", choices=("cosine", "linear", "constant", "wsd"), default="cosine",
+                   help="after the warmup: cosine or linear decay to 0, constant, or wsd (warmup-stable-decay: "
+                        "constant, then linear to 0 over the last WSD_DECAY of the steps)")
+    g.add_argument("--weight-decay", type=at_least(0.0), default=0.01,
+                   help="the default AdamW's (torch's default), on parameters of 2 or more dimensions")
+    g.add_argument("--eval-every", type=at_least(0), default=0, metavar="N",
+                   help="also evaluate every N optimizer steps (0: at each epoch's end only)")
+    g.add_argument("--keep-best", metavar="METRIC",
+                   help="write best.pt when an evaluation improves METRIC (eval_loss...): lower is better for losses, "
+                        "higher for the rest, unless it ends in :min or :max")
+    g.add_argument("--ema", type=at_least(0.0, strict=True), default=None, metavar="DECAY",
+                   help="an exponential moving average of the weights (0.999...): eval_ema_*, model_ema.pt")
+    g.add_argument("--tensorboard", action="store_true", help="write TensorBoard curves under OUT_DIR/tensorboard")
     g = p.add_argument_group("model and optimizer")
     g.add_argument("--clip-grad-norm", type=at_least(0.0, strict=True), default=None, metavar="MAX",
                    help="clip the global gradient norm to MAX once per optimizer step")
@@ -425,36 +440,55 @@ def add_machinery_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-seconds", type=at_least(0.0), default=30.0, metavar="S",
                    help="a progress line at least every S seconds (step, loss, throughput, ETA; 0: off)")
     g.add_argument("--save-minutes", type=at_least(0.0), default=30.0, metavar="M",
-                   help="also checkpoint every M minutes (0.5: 30 s), so that a hard kill loses at most about M "
-                        "(0: off)")
+                   help="also checkpoint every M minutes (0: off), so that a hard kill loses at most about M")
     g.add_argument("--resume", default="auto",
                    help="auto: continue from OUT_DIR/checkpoint.pt if there is one; never: start over; or a path")
     g.add_argument("--init-from", metavar="PATH", help="start a new run from these weights (a model.pt)")
     g = p.add_argument_group("elastic")
     g.add_argument("--global-batch", type=at_least(1), default=None, metavar="G",
-                   help="the samples of one optimizer step, whatever the world size: --batch-size is the most per "
-                        "process and micro-batch, and the micro-batches per step follow (a resume on another "
-                        "world size, as torchrun --nnodes=MIN:MAX does, continues the same run)")
+                   help="the samples of one optimizer step, whatever the world size (--batch-size: the most per "
+                        "process and micro-batch): a resume on another world size (--nnodes=MIN:MAX) continues the run")
     g = p.add_argument_group("launching")
     g.add_argument("--timeout", type=at_least(0.0, strict=True), default=1800.0,
-                   help="seconds to wait for peers at start and in any collective before failing. Generous: with "
-                        "--compile one rank's cold compile can take many minutes longer than another's, and a "
-                        "shorter wait (NCCL's own default is 600) kills a healthy job. A peer that dies is "
-                        "noticed at once; only one cut off from the network is waited for this long")
+                   help="seconds to wait for peers at start and in any collective before failing (a dead peer is "
+                        "noticed at once). Generous: one rank's cold compile can take minutes longer than another's")
     g.add_argument("--spawn", type=at_least(0), default=0, help="start N local processes, no launcher needed")
-    # The legacy `python -m torch.distributed.launch` passes --local-rank=N (older torch: --local_rank N).
-    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    # The legacy `python -m torch.distributed.launch` also passes --local-rank=N (older torch: --local_rank N).
+    g.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
+
+
+@dataclasses.dataclass
+class Job:
+    """What the loop works with, built once by train()."""
+    args: argparse.Namespace
+    ctx: DistContext
+    model: nn.Module  # the raw model: saved, evaluated
+    ddp_model: nn.Module  # DDP(model), or the model itself in one process
+    forward: nn.Module  # ddp_model, compiled with --compile
+    optimizers: Optimizers  # build_optimizer's, as a list
+    scaler: torch.amp.GradScaler
+    state: dict  # every stateful part by name (model, optimizers, ...): what a checkpoint saves and restores
+    sampler: DistributedSampler
+    train_data: Loader
+    eval_data: Loader | None
+    global_batch: int
+    steps_per_epoch: int
+    total_steps: int  # the run's optimizer steps: --max-steps, or --epochs x steps_per_epoch
+    flops_per_sample: float | None  # training FLOPs (forward + backward), counted on the first batch
+    agreement: Agreement  # what the ranks decide together at each step: stop, log, save
+    step_count: StepCount  # the step's count over all ranks: samples from the plan, tokens summed
+    records: Records  # rank 0's: metrics.jsonl, TensorBoard, report()
+    typical_count: float = 1.0  # the first batch's count: the scale of the sums that backward sees
+
+    @functools.cached_property
+    def params(self) -> list[nn.Parameter]:  # every trainable parameter, listed once: what the gradient steps cover
+        return [p for p in self.model.parameters() if p.requires_grad]
 
 
 # ====== Checkpoints and exact resume ========================================================================
 
-CHECKPOINT_FORMAT = "ddp_train.checkpoint/2"  # /2: each stateful part under its own name
+CHECKPOINT_FORMAT = "ddp_train.checkpoint/3"  # /2: each stateful part under its own name; /3: optimizers, ema
 RANK_STREAM = -2  # mixed with --seed and the rank: each rank's own random stream for the model
-
-
-def any_checkpoint(obj) -> bool:
-    """A checkpoint of this script, of any format version (each has the model's weights under "model")."""
-    return isinstance(obj, dict) and str(obj.get("format")).startswith(CHECKPOINT_FORMAT.rsplit("/", 1)[0] + "/")
 
 
 @dataclasses.dataclass
@@ -466,6 +500,7 @@ class Progress:
     loss_sum: float = 0.0  # the current epoch's global train-loss sum and its count so far,
     samples: int = 0  # ... and samples trained, so that a resumed epoch still logs the exact means
     count: float = 0.0
+    best: float | None = None  # --keep-best: the best evaluation so far
 
     def step_done(self, samples: int):
         self.step, self.step_in_epoch, self.samples = self.step + 1, self.step_in_epoch + 1, self.samples + samples
@@ -498,24 +533,45 @@ class RankRNG:
             seed_everything(mix_seed(self.seed, RANK_STREAM, self.ctx.rank, self.progress.step))
 
 
+class Optimizers(list):
+    """build_optimizer's optimizer, or list of them, as one stateful part. Every trainable parameter must
+    be in exactly one: each step's gradient mean, norm and clipping cover the model's parameters."""
+
+    def __init__(self, built, model: nn.Module, ctx: DistContext):
+        super().__init__(built if isinstance(built, (list, tuple)) else [built])
+        owners = [id(p) for optimizer in self for group in optimizer.param_groups for p in group["params"]]
+        odd = [name for name, p in model.named_parameters() if p.requires_grad and owners.count(id(p)) != 1]
+        if odd:
+            fail(f"build_optimizer must give every trainable parameter to exactly one optimizer; {len(odd)} are in "
+                 f"none or in several: {', '.join(odd[:5])}{', ...' if len(odd) > 5 else ''}", ctx=ctx)
+
+    def state_dict(self) -> list[dict]:
+        return [optimizer.state_dict() for optimizer in self]
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        for optimizer, state in zip(self, states, strict=True):
+            optimizer.load_state_dict(state)
+
+
 class Checkpoints:
     """Rank 0 writes OUT_DIR/checkpoint.pt atomically, keeping the one before as checkpoint.prev.pt;
     every rank reads it onto its own device. A resumed run continues bit for bit: model, optimizer,
     schedule, loss scaler, position in the epoch, every rank's RNG states. What defines the run
     (config) must match, except --epochs, which may grow."""
 
-    def __init__(self, args, ctx: DistContext, train_set, eval_set, global_batch: int):
+    def __init__(self, args, ctx: DistContext, train_set, eval_set, global_batch: int, optimizers: Optimizers):
         self.args, self.ctx = args, ctx
         self.path, self.prev = checkpoint_paths(args.out_dir)
         # Note the global batch, not its factors: 2 processes x 32 continue exactly as 1 x 64.
         self.config = {"seed": args.seed, "lr": args.lr, "global_batch_size": global_batch,
                        "warmup_steps": args.warmup_steps, "amp": args.amp, "clip_grad_norm": args.clip_grad_norm,
-                       "drop_last": args.drop_last, "init_from": args.init_from,
+                       "drop_last": args.drop_last, "init_from": args.init_from, "schedule": args.schedule,
+                       "optimizers": [type(optimizer).__name__ for optimizer in optimizers], "ema": args.ema,
                        "train_samples": len(train_set), "eval_samples": len(eval_set) if eval_set else 0}
         if ctx.is_main:
             os.makedirs(args.out_dir, exist_ok=True)
 
-    def resume(self, state: dict, steps_per_epoch: int) -> bool:
+    def resume(self, state: dict, steps_per_epoch: int, total_steps: int) -> bool:
         """Load the checkpoint to continue from, if any, into every stateful part. False where the run it
         holds is finished: there is nothing to train, and model.pt is written again from it."""
         found, progress = load_checkpoint(self.args, self.ctx), state["progress"]
@@ -529,19 +585,17 @@ class Checkpoints:
             if len(set(steps)) > 1:
                 fail(f"ranks resumed from different checkpoints (steps {min(steps)} to {max(steps)}): every node "
                      "must see the same --out-dir (shared storage)", ctx=self.ctx)
-            if progress.epoch >= self.args.epochs:
+            if progress.step >= total_steps:
                 log(self.ctx, f"{path} holds a finished run ({progress.epoch} epochs, {progress.step} steps): "
-                              "nothing to train. Raise --epochs to train on, or start over with --resume never or "
-                              "another --out-dir")
-                save_model(state["model"], progress, self.args, self.ctx)
+                              "nothing to train. Raise --epochs or --max-steps to train on, or start over with "
+                              "--resume never or another --out-dir")
+                save_model(state, self.args, self.ctx)
                 return False
             log(self.ctx, f"resumed from {path} at epoch {progress.epoch + 1}, step {progress.step_in_epoch}/"
                           f"{steps_per_epoch} ({progress.step} optimizer steps done, saved by world size "
-                          f"{ckpt['world_size']}); the learning-rate schedule spans "
-                          f"{self.args.epochs * steps_per_epoch} steps")
+                          f"{ckpt['world_size']}); the learning-rate schedule spans {total_steps} steps")
         elif self.args.init_from:
             init_weights(state["model"], self.args.init_from, self.ctx)
-        start_metrics_file(self.args.out_dir, progress, self.ctx)
         return True
 
     def check_same_run(self, saved: dict, path: str) -> None:
@@ -607,13 +661,8 @@ def load_checkpoint(args, ctx: DistContext) -> tuple[dict, str] | None:
         fail(f"{path} is unreadable ({first_line(exc)[:120]}): move it away, resume from the one before with "
              f"--resume {checkpoint_paths(args.out_dir)[1]}, or pass --resume never to start over", ctx=ctx)
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        if isinstance(ckpt, dict) and all(map(torch.is_tensor, ckpt.values())):
-            fail(f"--resume {path}: it holds model weights, not a checkpoint; --init-from {path} starts a new run "
-                 "from them", ctx=ctx)
-        older = any_checkpoint(ckpt)
-        fail(f"{path} is {'an older ' + PROG if older else 'not a ' + PROG} checkpoint"
-             f"{' (--init-from it starts a new run from its weights)' if older else ''}: move it away, or pass "
-             "--resume never to start over", ctx=ctx)
+        fail(f"{path} is not a checkpoint of this {PROG}: --init-from {path} starts a new run from the weights of a "
+             "model.pt or an older checkpoint; or move it away, or pass --resume never to start over", ctx=ctx)
     return ckpt, path
 
 
@@ -643,7 +692,7 @@ def init_weights(model: nn.Module, path: str, ctx: DistContext) -> None:
         saved = load_to_cpu(path, ctx)
     except Exception as exc:
         fail(f"--init-from {path}: cannot read it ({first_line(exc)[:120]})", ctx=ctx)
-    if any_checkpoint(saved):
+    if isinstance(saved, dict) and str(saved.get("format")).startswith("ddp_train.checkpoint/"):
         saved = saved["model"]  # a checkpoint of any version: its model
     check_same_model(saved, model, path, ctx)
     model.load_state_dict(saved)
@@ -694,24 +743,15 @@ def wait_for_rank0(ctx: DistContext) -> None:
         dist.monitored_barrier(group=ctx.patient_group, timeout=ctx.timeout)
 
 
-def start_metrics_file(out_dir: str, progress: Progress, ctx: DistContext) -> None:
-    """metrics.jsonl keeps the lines of completed epochs (none on a fresh start), so that a resumed
-    run never logs an epoch twice."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if ctx.is_main:
-        kept = []
-        if progress.step and os.path.exists(path):
-            with open(path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["epoch"] <= progress.epoch]
-        with open(path, "w") as f:
-            f.writelines(kept)
-
-
 def check_finite(model: nn.Module, what: str, ctx: DistContext) -> None:
     """Nothing non-finite is ever written over good weights."""
     if not all(bool(p.isfinite().all()) for p in model.parameters()):
-        fail(f"{what} are not finite (nan or inf): nothing was saved, the last checkpoint is intact. "
-             "Lower --lr, or try --clip-grad-norm 1.0", code=1, ctx=ctx)
+        diverged(f"{what} are not finite (nan or inf)", ctx)
+
+
+def diverged(what: str, ctx: DistContext) -> None:
+    fail(f"{what}: the run diverged and stopped; nothing non-finite was saved, the last checkpoint is intact. "
+         "Lower --lr, or try --clip-grad-norm 1.0", code=1, ctx=ctx)
 
 
 # ====== Agreeing at every step: a stop signal (preemption), and rank 0's clocks (progress lines, checkpoints) ======
@@ -760,8 +800,8 @@ class Agreement:
         """(stop, log, save) after optimizer step `step`: the same on every rank. --save-every counts
         steps, which the ranks agree on without asking."""
         voting = step >= self.next_vote  # the same on every rank: the votes say when the next one is
-        stop, log_now, save_due = (total > 0 for total in self.summed_flags()) if voting else (False,) * 3
-        save_now = save_due or every(step, self.args.save_every)
+        stop, log_now, save_due = (total > 0 for total in self.last_vote()) if voting else (False,) * 3
+        save_now = save_due or bool(self.args.save_every and step % self.args.save_every == 0)
         if log_now:
             self.logged_at = time.monotonic()
         if save_now or stop:
@@ -770,14 +810,13 @@ class Agreement:
             self.vote(step)  # after the clocks were reset: what was due is not voted for again
         return stop, log_now, save_now
 
-    def summed_flags(self) -> list[float]:
+    def last_vote(self) -> list[float]:
         """All ranks' flags as the last vote summed them (this rank's own now, in one process)."""
         if not self.ctx.distributed:
             return self.flags()
         if self.pending is None:
             return [0.0] * 3
-        self.pending.wait()
-        self.pending = None
+        self.close()
         *flags, gap = self.flag.tolist()
         self.gap = max(1, int(gap))  # rank 0's proposal (the others sent 0)
         return flags
@@ -818,7 +857,9 @@ def explain_failure(exc: BaseException, ctx: DistContext, agreement: Agreement) 
     while chained is not None:
         traceback.clear_frames(chained.__traceback__)
         chained = chained.__context__
-    if isinstance(exc, KeyboardInterrupt) or (agreement.received == signal.SIGINT and lost_a_peer(exc)):
+    # A collective failed because another rank is gone (gloo reports it as a RuntimeError).
+    lost_a_peer = isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
+    if isinstance(exc, KeyboardInterrupt) or (agreement.received == signal.SIGINT and lost_a_peer):
         log(ctx, f"{PROG}: stopped by a second Ctrl-C, without saving; rerun the same command to continue from "
                  "the last checkpoint", error=True)
         raise SystemExit(EXIT_INTERRUPTED) from None
@@ -827,14 +868,9 @@ def explain_failure(exc: BaseException, ctx: DistContext, agreement: Agreement) 
         # DDP's reducer then still waits for it, and raises at the next forward on every rank, in a hundred lines.
         fail("some parameters got no gradient in a step after the first; pass --find-unused-parameters if some "
              "parameters sit out some steps (TORCH_DISTRIBUTED_DEBUG=INFO makes DDP name them)", ctx=ctx)
-    if ctx.distributed and lost_a_peer(exc):  # say what happened, not where we were waiting
+    if ctx.distributed and lost_a_peer:  # say what happened, not where we were waiting
         fail(f"rank {ctx.rank} lost contact with another process (it crashed, was killed, or its node left the "
              f"network); rerun to resume from the last checkpoint. The error: {first_line(exc)}", code=1)
-
-
-def lost_a_peer(exc: BaseException) -> bool:
-    """A collective failed because another rank is gone (gloo reports it as a RuntimeError)."""
-    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
 
 
 # ====== Deterministic data loading: a sample's randomness is a function of (seed, epoch, index) =============
@@ -886,7 +922,7 @@ class Loader:
         loaded = iter(self.loader) if self.loader else (load_here(self.samples, b) for b in self.plan)
         for batch in loaded:  # (an exception in a worker comes here with the worker's traceback in its message)
             if isinstance(batch, Unbatchable):
-                fail(f"cannot batch the items of {type(self.dataset).__name__}: {batch.why}", ctx=self.ctx)
+                fail(f"cannot batch the items of {type(self.dataset).__name__}: {batch}", ctx=self.ctx)
             yield to_device(batch, self.ctx.device)
 
 
@@ -1034,11 +1070,6 @@ def plan_steps(mine: list[int], job: Job) -> list[list[list[int]]]:
     return [split(mine[s * per_rank : (s + 1) * per_rank], job.args.batch_size) for s in range(job.steps_per_epoch)]
 
 
-def samples_in_step(step: int, job: Job) -> int:
-    """Samples in a step over all ranks: the global batch, or what is left in the epoch's last step."""
-    return min(len(job.sampler.dataset), (step + 1) * job.global_batch) - step * job.global_batch
-
-
 def split(indices: list[int], most: int) -> list[list[int]]:
     """`indices` in as few batches of at most `most` as can hold them, their sizes differing by one at
     most: 65 samples at 64 are 33 + 32, never 64 + 1 (BatchNorm cannot train on one sample)."""
@@ -1099,11 +1130,9 @@ def leave_signals_to_trainer(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-@dataclasses.dataclass
-class Unbatchable:
-    """What collate() returns for items that cannot be batched: a value, not an exception, so that it
-    reaches the trainer from a DataLoader worker as it is, and the run stops with one line."""
-    why: str
+class Unbatchable(str):
+    """What collate() returns for items that cannot be batched, and why: a value, not an exception, so
+    that it reaches the trainer from a DataLoader worker as it is, and the run stops with one line."""
 
 
 def collate(items: list):
@@ -1141,14 +1170,14 @@ def place_dataset(dataset: Dataset | None, ctx: DistContext) -> Dataset | None:
 
 
 @contextlib.contextmanager
-def rank0_first(local: bool = False, timeout: float = 3600.0):
+def rank0_first(local: bool = False):
     """Rank 0 (local=True: the first process of each node) runs the body first, say to download or
-    build a cache, while the others wait for up to `timeout` seconds; then the others run it."""
+    build a cache, while the others wait for up to PATIENT_TIMEOUT; then the others run it."""
     if not (dist.is_available() and dist.is_initialized()):
         yield
         return
     first = (int(os.environ.get("LOCAL_RANK", 0)) if local else dist.get_rank()) == 0
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))  # all ranks, before any work
+    group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)  # all ranks, before any work
     if not first:
         dist.barrier(group=group)
     yield
@@ -1163,10 +1192,7 @@ def rank0_first(local: bool = False, timeout: float = 3600.0):
 def adopt_launcher_environment(args) -> str:
     """Name the launcher, and give the ones that do not set torchrun's variables those variables."""
     env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, torch.distributed.launch, --spawn's workers
-        if args.local_rank is not None:  # the legacy launcher (older ones set only the argument)
-            env.setdefault("LOCAL_RANK", str(args.local_rank))
-            return "launch"
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (torch.distributed.launch is it too), --spawn's workers
         return "spawn" if args.spawn else "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
     # A bare `srun python ddp_train.py`: srun sets SLURM_STEP_* for its tasks; an sbatch script running
     # python directly sees the job's SLURM_NTASKS, but it is one process, not a task. The step's own
@@ -1191,14 +1217,6 @@ def tasks_on_this_node(tasks_per_node: str, node: int) -> int:
     for count, times in re.findall(r"(\d+)(?:\(x(\d+)\))?", tasks_per_node):
         counts += [int(count)] * int(times or 1)
     return counts[min(node, len(counts) - 1)]
-
-
-def pick_backend(args, ctx) -> str:
-    """--backend auto: nccl with CUDA, gloo without."""
-    if args.backend == "nccl" and not torch.cuda.is_available():
-        fail("--backend nccl needs CUDA, and this machine has no usable CUDA device; use --backend gloo (or auto)",
-             ctx=ctx)
-    return args.backend if args.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -1343,7 +1361,7 @@ class EpochStats:
     def __init__(self, ctx: DistContext, amp: str):
         self.ctx, self.fp16 = ctx, amp == "fp16"
         self.step_losses, self.norms, self.count, self.current = [], [], 0, None
-        self.max_norm, self.skipped, self.first_step_at = None, 0, None
+        self.max_norm, self.last_norm, self.skipped, self.first_step_at = None, None, 0, None
         self.zero = torch.zeros((), device=ctx.device)
         self.loop_started, self.first_step = time.perf_counter(), None
 
@@ -1378,7 +1396,7 @@ class EpochStats:
         loss_sum, first = sum(losses), progress.step - len(losses) + 1  # first: the step of the first entry
         bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
         if bad:
-            self.diverged(f"the training loss is {losses[bad[0]]} at step {first + bad[0]}")
+            diverged(f"the training loss is {losses[bad[0]]} at step {first + bad[0]}", self.ctx)
         if self.norms:  # the norms of the all-reduced gradient: the same on every rank
             self.fold_norms(torch.stack(self.norms), first)
         progress.loss_sum += loss_sum
@@ -1390,64 +1408,59 @@ class EpochStats:
         finite = norms.isfinite()
         if not self.fp16 and not finite.all():
             bad = int((~finite).nonzero()[0])
-            self.diverged(f"the gradient norm is {float(norms[bad])} at step {first + bad}")
+            diverged(f"the gradient norm is {float(norms[bad])} at step {first + bad}", self.ctx)
         if finite.any():
             self.max_norm = max(self.max_norm or 0.0, float(norms[finite].max()))
+        self.last_norm = float(norms[-1])  # the last step's, for the progress record
         if self.fp16:
             self.skipped += int((~finite).sum())
 
     def log_progress(self, progress: Progress, job: Job) -> None:
-        """Rank 0: a progress line, with the loss and throughput since the last one (or the epoch's start),
+        """Rank 0: a progress record, with the loss and throughput since the last one (or the epoch's start),
         the time since launch and the time left, at the pace of this run's steps so far."""
         now, (then, samples, count, loss) = time.perf_counter(), self.line
         self.line = (now, progress.samples, progress.count, progress.loss_sum)
-        seconds, count = max(now - then, 1e-9), progress.count - count
-        total, done = job.args.epochs * job.steps_per_epoch, progress.step
-        per_step = (now - self.loop_started) / max(1, done - self.first_step)
-        rate = (progress.samples - samples) / seconds
-        parts = [f"epoch {progress.epoch + 1:>3}/{job.args.epochs}", f"step {done:>{len(f'{total:,}')},}/{total:,} "
-                 f"({100 * done / total:5.1f}%)", f"train_loss {(progress.loss_sum - loss) / count:.4f}" if count
-                 else "train_loss    -  ", f"{rate:>9,.0f} samples/s"]
-        if COUNT_UNIT != "samples":
-            parts.append(f"{count / seconds:>9,.0f} {COUNT_UNIT}/s")
-        if job.args.peak_tflops and job.flops_per_sample:  # achieved FLOP/s per process over its peak
-            per_process = rate * job.flops_per_sample / self.ctx.world_size
-            parts.append(f"MFU {100 * per_process / job.args.peak_tflops / 1e12:5.2f}%")
-        parts += [f"lr {job.optimizer.param_groups[0]['lr']:.2e}", f"elapsed {hms(time.monotonic() - STARTED)}",
-                  f"ETA {hms(per_step * (total - done))}"]
-        log(self.ctx, "  " + "  ".join(parts))
+        count, per_step = progress.count - count, (now - self.loop_started) / max(1, progress.step - self.first_step)
+        job.records({"kind": "progress", "step": progress.step, "epoch": progress.epoch + 1,
+                     "train_loss": (progress.loss_sum - loss) / count if count else None,
+                     **self.rates(progress.samples - samples, count, max(now - then, 1e-9), job),
+                     "lr": job.optimizers[0].param_groups[0]["lr"], "grad_norm": self.last_norm,
+                     "elapsed_s": time.monotonic() - STARTED, "eta_s": per_step * (job.total_steps - progress.step)})
 
-    def diverged(self, what: str) -> None:
-        fail(f"{what}: the run diverged and stopped; nothing non-finite was saved, the last checkpoint is intact. "
-             "Lower --lr, or try --clip-grad-norm 1.0", code=1, ctx=self.ctx)
+    def rates(self, samples: int, count: float, seconds: float, job: Job) -> dict:
+        """Throughput: samples/s, the count's (tokens/s), and the training FLOP/s of each process, over its
+        peak (--peak-tflops) as MFU."""
+        rates = {"samples_per_sec": samples / seconds}
+        if COUNT_UNIT != "samples":
+            rates[f"{COUNT_UNIT}_per_sec"] = count / seconds
+        if job.flops_per_sample:
+            rates["tflops_per_process"] = samples / seconds * job.flops_per_sample / self.ctx.world_size / 1e12
+            if job.args.peak_tflops:
+                rates["mfu"] = rates["tflops_per_process"] / job.args.peak_tflops
+        return rates
 
     def epoch_record(self, progress: Progress, job: Job) -> dict:
-        """The epoch's line of metrics.jsonl, but for evaluation, at the end of its training."""
+        """The epoch's record, but for evaluation, at the end of its training."""
         seconds = time.perf_counter() - self.started
-        samples_per_sec = (progress.samples - self.samples_before) / seconds
         job.agreement.logged_at = time.monotonic()  # the epoch's line is a sign of life: --log-seconds counts from here
-        record = {"epoch": progress.epoch + 1, "train_loss": progress.loss_sum / progress.count if progress.count
-                  else None, "eval_loss": None, "eval_samples": 0, "train_samples": progress.samples,
-                  "samples_per_sec": samples_per_sec, "world_size": self.ctx.world_size,
-                  "effective_batch_size": job.global_batch, "step": progress.step,
-                  "lr": job.optimizer.param_groups[0]["lr"],
+        record = {"kind": "epoch", "epoch": progress.epoch + 1, "step": progress.step,
+                  "train_loss": progress.loss_sum / progress.count if progress.count else None, "eval_loss": None,
+                  "eval_samples": 0, "train_samples": progress.samples, "world_size": self.ctx.world_size,
+                  "effective_batch_size": job.global_batch, "lr": job.optimizers[0].param_groups[0]["lr"],
+                  **self.rates(progress.samples - self.samples_before, progress.count - self.count_before, seconds,
+                               job),
                   "epoch_time_s": seconds, "first_step_at": self.first_step_at,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
         if self.ctx.device.type == "cuda":  # peak GPU memory
             record["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**20
-        if COUNT_UNIT != "samples":  # tokens: train_tokens, tokens_per_sec
-            record.update({f"train_{COUNT_UNIT}": whole(progress.count),
-                           f"{COUNT_UNIT}_per_sec": (progress.count - self.count_before) / seconds})
+        if COUNT_UNIT != "samples":  # tokens: train_tokens
+            record[f"train_{COUNT_UNIT}"] = whole(progress.count)
         if self.max_norm is not None:
             record["grad_norm_max"] = self.max_norm  # the largest before clipping, over the epoch's steps
         if self.fp16:
             record["skipped_steps"] = self.skipped  # by the GradScaler: their gradients overflowed
-        if job.flops_per_sample:  # achieved training FLOP/s, and with --peak-tflops its share of the peak
-            flops_per_sec = samples_per_sec * job.flops_per_sample
-            record.update(flops_per_sample=job.flops_per_sample,
-                          tflops_per_process=flops_per_sec / self.ctx.world_size / 1e12)
-            if job.args.peak_tflops:  # model FLOPs utilisation: over the peak of one GPU
-                record["mfu"] = record["tflops_per_process"] / job.args.peak_tflops
+        if job.flops_per_sample:
+            record["flops_per_sample"] = job.flops_per_sample  # training FLOPs (forward + backward)
         return record
 
 
@@ -1467,30 +1480,66 @@ def log_start(job: Job, flops_not_counted: str) -> None:
         log(ctx, f"FLOPs not counted: {flops_not_counted}; no FLOP/s or MFU is logged")
 
 
-def hms(seconds: float) -> str:
-    """A duration as h:mm:ss."""
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+class Records:
+    """Rank 0's sinks for every record (progress lines, epochs, evaluations): the console, metrics.jsonl
+    (epochs and evaluations), TensorBoard (--tensorboard: each number as KIND/NAME at the record's step)
+    and report(). A resumed run drops what was written after its checkpoint's step: metrics.jsonl's lines,
+    and TensorBoard's events (purge_step), so that no step is written twice."""
+
+    def __init__(self, args, ctx: DistContext, progress: Progress, total: int, steps_per_epoch: int):
+        self.ctx, self.writer, self.total, self.epochs = ctx, None, total, math.ceil(total / steps_per_epoch)
+        self.path = os.path.join(args.out_dir, "metrics.jsonl")
+        if args.tensorboard:  # optional: only this flag needs the package
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                fail("--tensorboard needs TensorBoard: pip install tensorboard", ctx=ctx)
+        if not ctx.is_main:
+            return
+        kept = []
+        if progress.step and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= progress.step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+        if args.tensorboard:
+            self.writer = SummaryWriter(os.path.join(args.out_dir, "tensorboard"), purge_step=progress.step + 1)
+
+    def __call__(self, record: dict) -> None:
+        if not self.ctx.is_main:
+            return
+        log(self.ctx, console_line(record, self.total, self.epochs))
+        if record["kind"] != "progress":
+            strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+            with open(self.path, "a") as f:
+                f.write(json.dumps(strict, allow_nan=False) + "\n")  # strict JSON: jq and JavaScript read it
+        if self.writer:
+            for name, value in record.items():
+                if isinstance(value, (int, float)) and name not in ("step", "epoch"):
+                    self.writer.add_scalar(f"{record['kind']}/{name}", value, record["step"])
+            self.writer.flush()
+        report(record)
 
 
-def every(step: int, interval: int) -> bool:
-    return bool(interval) and step % interval == 0
-
-
-def write_metrics(record: dict, args, ctx: DistContext) -> None:
-    """Rank 0: one aligned line per epoch, and the record in metrics.jsonl."""
-    if not ctx.is_main:
-        return
-    evals = "".join(f"  {k} {v:.4f}" for k, v in record.items() if k.startswith("eval_") and v is not None
+def console_line(record: dict, total: int, epochs: int) -> str:
+    """A record as one aligned line: a progress line and an evaluation (indented), or an epoch's line."""
+    r, step = record, f"step {record['step']:>{len(f'{total:,}')},}/{total:,}"
+    evals = "".join(f"  {k} {v:.4f}" for k, v in r.items() if k.startswith("eval_") and v is not None
                     and k not in ("eval_samples", f"eval_{COUNT_UNIT}"))
-    counted = f"  {record[f'{COUNT_UNIT}_per_sec']:>9,.0f} {COUNT_UNIT}/s" if COUNT_UNIT != "samples" else ""
-    mfu = f"  MFU {100 * record['mfu']:5.2f}%" if "mfu" in record else ""
-    log(ctx, f"epoch {record['epoch']:>3}/{args.epochs}  train_loss {record['train_loss']:.4f}{evals}  "
-             f"{record['samples_per_sec']:>9,.0f} samples/s{counted}{mfu}  world {record['world_size']}  "
-             f"batch {record['effective_batch_size']}  {record['epoch_time_s']:6.2f} s")
-    strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-    with open(os.path.join(args.out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(strict, allow_nan=False) + "\n")  # strict JSON: jq and JavaScript read it
+    if r["kind"] == "eval":
+        return f"  {step}{evals}"
+    rates = f"{r['samples_per_sec']:>9,.0f} samples/s"
+    if COUNT_UNIT != "samples":
+        rates += f"  {r[f'{COUNT_UNIT}_per_sec']:>9,.0f} {COUNT_UNIT}/s"
+    if "mfu" in r:
+        rates += f"  MFU {100 * r['mfu']:5.2f}%"
+    if r["kind"] == "epoch":
+        return (f"epoch {r['epoch']:>3}/{epochs}  train_loss {r['train_loss']:.4f}{evals}  {rates}  "
+                f"world {r['world_size']}  batch {r['effective_batch_size']}  {r['epoch_time_s']:6.2f} s")
+    loss = f"train_loss {r['train_loss']:.4f}" if r["train_loss"] is not None else "train_loss    -  "
+    elapsed, eta = (datetime.timedelta(seconds=int(r[k])) for k in ("elapsed_s", "eta_s"))  # h:mm:ss
+    return (f"  epoch {r['epoch']:>3}/{epochs}  {step} ({100 * r['step'] / total:5.1f}%)  {loss}  {rates}  "
+            f"lr {r['lr']:.2e}  elapsed {elapsed}  ETA {eta}")
 
 
 def everyone(value, ctx: DistContext) -> list:
@@ -1555,6 +1604,44 @@ CPU_ATTENTION_FLOPS = {
 # ====== Extras: gradients, precision, the schedule, argument parsing, errors ================================
 
 
+def evaluation(job: Job, progress: Progress) -> dict:
+    """All ranks: the eval figures of the weights, and of --ema's as eval_ema_*; then --keep-best."""
+    if not job.eval_data:
+        return {}
+    figures = evaluate(job.model, job.eval_data, job.args, job.ctx)
+    if "ema" in job.state:
+        ema = evaluate(job.state["ema"].module, job.eval_data, job.args, job.ctx)
+        counts = ("eval_samples", f"eval_{COUNT_UNIT}")  # the same as the weights'
+        figures.update({"eval_ema_" + k[5:]: v for k, v in ema.items() if k not in counts})
+    if job.args.keep_best:
+        keep_best(figures, job, progress)
+    return {"step": progress.step, "epoch": progress.epoch + 1, **figures}
+
+
+def keep_best(figures: dict, job: Job, progress: Progress) -> None:
+    """--keep-best METRIC[:min|:max]: rank 0 writes best.pt (--ema's weights for an eval_ema_ metric) at
+    each evaluation that beats the best so far, which the checkpoint carries (progress.best)."""
+    name, _, way = job.args.keep_best.partition(":")
+    if name not in figures or way not in ("", "min", "max"):
+        fail(f"--keep-best {job.args.keep_best}: name one of the evaluation's figures ({', '.join(figures)}), "
+             "with :min or :max if you like", ctx=job.ctx)
+    value, lower = figures[name], way == "min" if way else "loss" in name
+    if progress.best is None or (value < progress.best if lower else value > progress.best):
+        progress.best = value
+        model = job.state["ema"].module if name.startswith("eval_ema_") else job.model
+        if job.ctx.is_main:
+            atomic_save(model.state_dict(), os.path.join(job.args.out_dir, "best.pt"))
+        wait_for_rank0(job.ctx)
+
+
+def check_recipe(args, eval_set, ctx: DistContext) -> None:
+    """The recipe's flags that can be wrong together, checked before training."""
+    if args.keep_best and eval_set is None:
+        fail(f"--keep-best {args.keep_best}: there is no eval set to evaluate", ctx=ctx)
+    if args.ema is not None and args.ema >= 1:
+        fail(f"--ema {args.ema:g}: the decay is below 1 (0.999 keeps about the last 1000 steps)", ctx=ctx)
+
+
 def call_compute_loss(model: nn.Module, batch, ctx: DistContext) -> tuple:
     """compute_loss(model, batch) as (loss_sum, count, metric_sums), checked on the way."""
     out = compute_loss(model, batch)
@@ -1586,7 +1673,8 @@ def mean_gradients(job: Job, count) -> torch.Tensor:
     it, over every parameter of the model. Backward saw the sums / typical_count (a constant that keeps
     them in fp16's range), and DDP averaged them over ranks: x world size x typical_count / count.
     Returns the gradient norm before clipping (a 0-dim tensor: no host sync)."""
-    job.scaler.unscale_(job.optimizer)  # Trap: clip and log the true gradients, not fp16's loss-scaled ones
+    for optimizer in job.optimizers:
+        job.scaler.unscale_(optimizer)  # Trap: clip and log the true gradients, not fp16's loss-scaled ones
     grads = [p.grad for p in job.params if p.grad is not None]
     scale = gradient_scale(count, job.ctx.world_size * job.typical_count, grads[0].dtype)  # DDP: sums -> mean
     if scale is not None:
@@ -1628,11 +1716,25 @@ def set_learning_rate(job: Job, step: int) -> None:
     """The learning rate of optimizer step `step` (0-based): each parameter group's own base rate, noted in
     the group the first time (so the optimizer's checkpoint carries it), times the schedule's factor. The
     factor depends only on the step and the run's length: a resume, or a run made longer, needs no state."""
-    total, warmup = job.args.epochs * job.steps_per_epoch, job.args.warmup_steps
-    cosine = 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-    factor = (step + 1) / warmup if step < warmup else cosine
-    for group in job.optimizer.param_groups:
-        group["lr"] = group.setdefault("base_lr", group["lr"]) * factor
+    factor = lr_factor(job.args.schedule, step, job.total_steps, job.args.warmup_steps)
+    for optimizer in job.optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = group.setdefault("base_lr", group["lr"]) * factor
+
+
+WSD_DECAY = 0.2  # --schedule wsd decays over the last fifth of the run
+
+
+def lr_factor(schedule: str, step: int, total: int, warmup: int) -> float:
+    """--schedule's multiplier at step `step` (0-based) of `total`: a linear warmup over `warmup` steps,
+    then a cosine or linear decay to 0 at the end, a constant, or wsd (warmup-stable-decay: constant,
+    then a linear decay to 0 over the last WSD_DECAY of the run, as language models are trained)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "wsd":
+        return min(1.0, (total - step) / max(1.0, WSD_DECAY * total))
+    done = (step - warmup) / max(1, total - warmup)
+    return {"cosine": 0.5 * (1 + math.cos(math.pi * done)), "linear": 1 - done, "constant": 1.0}[schedule]
 
 
 class Parser(argparse.ArgumentParser):
@@ -1642,14 +1744,13 @@ class Parser(argparse.ArgumentParser):
 
 def at_least(low, strict: bool = False):
     """An argparse type: a number (an int if `low` is one) no smaller than `low` (strict: greater)."""
-    kind = type(low)
 
     def parse(text):
         try:
-            value = kind(text)
+            value = type(low)(text)
         except ValueError:
-            expected = "an integer" if kind is int else "a number"
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if type(low) is int else 'a number'}, got "
+                                             f"{text!r}") from None
         if not math.isfinite(value) or value < low or (strict and value == low):
             raise argparse.ArgumentTypeError(f"must be {'greater than' if strict else 'at least'} {low:g}, got {text}")
         return value

@@ -749,8 +749,10 @@ def test_default_run_learns(tmp_path):
     (["--no-such-flag"], "unrecognized arguments"),
     (["--resume", "missing.pt"], "--resume missing.pt: no such file"),
     (["--timeout", "0"], "--timeout: must be greater than 0"),
-    pytest.param(["--backend", "nccl"], "--backend nccl needs CUDA",
-                 marks=pytest.mark.skipif(HAS_CUDA, reason="CUDA is present: nccl works")),
+    (["--max-steps", "0"], "--max-steps: must be at least 1"),
+    (["--ema", "1.5"], "--ema 1.5: the decay is below 1"),
+    (["--keep-best", "eval_loss", "--eval-samples", "0"], "--keep-best eval_loss: there is no eval set"),
+    (["--schedule", "step"], "--schedule: invalid choice"),
 ])
 def test_bad_input_exits_with_one_clear_line(tmp_path, argv, says):
     r = run(python_cmd(*SMALL, *argv), tmp_path, expect=2)
