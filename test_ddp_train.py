@@ -82,8 +82,9 @@ def test_user_thread_setting_is_respected(tmp_path):
 
 
 def test_legacy_distributed_launch_passes_local_rank_argument(tmp_path):
+    # torch.distributed.launch is torchrun's agent too, plus the --local-rank argument.
     cmd = [PY, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}", SCRIPT, *SMALL]
-    check_completed_run(run(cmd, tmp_path), 2, "launch")
+    check_completed_run(run(cmd, tmp_path), 2, "torchrun")
 
 
 @pytest.mark.fast
