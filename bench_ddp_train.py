@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -58,10 +59,12 @@ TARGETS = {("ddp_1", "hand_1"): 0.95, ("ddp_2", "tutorial_2"): 1.10,  # from the
 
 def record(path, epoch, samples, seconds, first_step_at, device, tokens=None):
     """One metrics line, with the same memory figures ddp_train.py writes."""
-    import ddp_train
+    import torch
 
     rec = {"epoch": epoch, "samples_per_sec": samples / seconds, "first_step_at": first_step_at,
-           **ddp_train.memory_stats(ddp_train.DistContext(device=device))}
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # as ddp_train.py: KiB
+    if device.type == "cuda":
+        rec["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     if tokens is not None:
         rec["tokens_per_sec"] = tokens / seconds
     with open(path, "a") as f:
@@ -382,6 +385,11 @@ def rate_of(key: str) -> str:
     return "tokens_per_sec" if key.startswith("lm") else "samples_per_sec"
 
 
+def step_samples(step: int, job) -> int:
+    """A step's samples over all ranks: the global batch, or what is left in the epoch's last step."""
+    return min(len(job.sampler.dataset), (step + 1) * job.global_batch) - step * job.global_batch
+
+
 def spread(values, fmt) -> str:
     if len(values) == 1:
         return fmt(values[0])
@@ -455,11 +463,11 @@ def count_ab_worker(opts) -> int:
             dist.barrier()
             started = time.perf_counter()
             for i, step in enumerate(steps):
-                planned = [module.samples_in_step(i, job_of)] if module is ddp_train else []  # (older: none)
+                planned = [step_samples(i, job_of)] if module is ddp_train else []  # (older: none)
                 module.train_step(job_of, data, len(step), *planned, stats)
                 if "without the agreement" not in name:
                     job_of.agreement.decide(i + 1)
-            trained = sum(module.samples_in_step(i, job_of) for i in range(len(steps)))
+            trained = sum(step_samples(i, job_of) for i in range(len(steps)))
             stats.fold(module.Progress(samples=trained))  # (the plan's samples: what the counts must add up to)
             times[name].append((time.perf_counter() - started) / len(steps) * 1e3)
         if ctx.is_main:

@@ -944,11 +944,11 @@ def wrap_model(model, args, ctx, wrap=ddp_train.wrap_model):
     return wrapped["ddp"]
 
 
-def save_model(model, progress, args, ctx, summary="", save=ddp_train.save_model):
+def save_model(state, args, ctx, save=ddp_train.save_model):
     data = wrapped["ddp"]._get_ddp_logging_data()
     with open(f"{os.environ['BUCKETS']}.{ctx.rank}", "w") as f:
         json.dump({k: v for k, v in data.items() if "bucket" in k}, f)
-    save(model, progress, args, ctx, summary)
+    save(state, args, ctx)
 
 
 ddp_train.build_model, ddp_train.wrap_model, ddp_train.save_model = Reversed, wrap_model, save_model

@@ -1238,10 +1238,12 @@ def test_a_truncated_checkpoint_stops_with_one_line_and_the_one_before_resumes_e
     r = run(python_cmd(*FT, "--resume", prev), tmp_path)  # what the line says
     assert "resumed from" in r.stdout and "checkpoint.prev.pt" in r.stdout
     assert_same_weights(r.weights, reference(FT_PYTHON).weights, exact=True)
-    # A save stopped between its two renames leaves checkpoint.prev.pt alone: the rerun resumes from it.
-    ckpt.unlink()
+    # A save stopped between its two renames (checkpoint.pt already moved to checkpoint.prev.pt, the new
+    # one not yet in place): the rerun finds checkpoint.prev.pt, a finished run, and writes model.pt from it.
+    os.replace(ckpt, prev)
+    (first.out_dir / "model.pt").unlink()
     r = run(python_cmd(*FT), tmp_path)
-    assert "resumed from" in r.stdout and "checkpoint.prev.pt" in r.stdout
+    assert "checkpoint.prev.pt holds a finished run" in r.stdout, r
     assert_same_weights(r.weights, reference(FT_PYTHON).weights, exact=True)
     # Rerunning a finished run changes nothing.
     done = run(python_cmd(*FT), tmp_path)
@@ -1507,7 +1509,7 @@ def test_global_batch_gives_the_same_run_on_every_world_size_that_divides_it(tmp
         assert [m["effective_batch_size"] for m in r.metrics] == [64, 64]
     r = run(torchrun_cmd(3, *fixed), tmp_path, out="three", expect=1)
     errors = [line for line in r.stderr.splitlines() if line.startswith("ddp_train.py: error:")]
-    assert len(errors) == 1 and "1, 2, 4, 8, 16, 32, 64; this run has 3" in errors[0], r
+    assert len(errors) == 1 and "the world size (3) must divide it" in errors[0], r
 
 
 @multinode
