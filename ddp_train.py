@@ -117,7 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--lr", type=at_least(0.0), default=1e-3, help="peak AdamW learning rate")
     g.add_argument("--warmup-steps", type=at_least(0), default=0, help="linear warmup, then cosine decay to 0")
     g.add_argument("--seed", type=int, default=0, help="seeds the data, the initial weights and the shuffle")
-    g.add_argument("--out-dir", default="out", help="where rank 0 writes model.pt, checkpoints and metrics.jsonl")
+    g.add_argument("--out-dir", default=OUT_DIR, help="where rank 0 writes model.pt, checkpoints and metrics.jsonl")
     g = p.add_argument_group("distributed")
     g.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="auto: nccl with CUDA, else gloo")
@@ -1921,6 +1921,9 @@ def last_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[-1] if text else type(exc).__name__
 
+
+# One default --out-dir per script (out/ddp_train, out/tinylm): another task's checkpoint never stops its resume.
+OUT_DIR = "out/" + os.path.basename(sys.argv[0] if os.path.isfile(sys.argv[0]) else PROG).removesuffix(".py")
 
 if __name__ == "__main__":
     sys.exit(main())
