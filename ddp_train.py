@@ -1909,6 +1909,10 @@ def fail(message: str, code: int = 2, ctx: DistContext | None = None) -> None:
     rank hits, so only rank 0 prints it."""
     if ctx is None or ctx.is_main:
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary shows this line (@record skips SystemExit)
+        with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": f"{PROG}: error: {message}",  # the layout of torch's ErrorHandler
+                                   "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
     raise SystemExit(code)
 
 
@@ -1924,6 +1928,9 @@ def last_line(exc: BaseException) -> str:
 
 # One default --out-dir per script (out/ddp_train, out/tinylm): another task's checkpoint never stops its resume.
 OUT_DIR = "out/" + os.path.basename(sys.argv[0] if os.path.isfile(sys.argv[0]) else PROG).removesuffix(".py")
+# torch's @record: under torchrun an uncaught exception's traceback is in its failure summary, not "<N/A>".
+from torch.distributed.elastic.multiprocessing.errors import record
+main = record(main)
 
 if __name__ == "__main__":
     sys.exit(main())
