@@ -6,6 +6,10 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 # The training script: ddp_train.py, or your own that imports it (make train-cpu SCRIPT=examples/digits.py).
 SCRIPT ?= ddp_train.py
+# Each train target and script writes its own out-dir, out/TARGET/SCRIPT (out/train/ddp_train,
+# out/train-cpu/digits): the same command again continues its run, and one target's checkpoint (another
+# world size, another model) never stops another's. An --out-dir in ARGS comes later and wins.
+out_dir = out/$@/$(basename $(notdir $(SCRIPT)))
 # After a stop signal torchrun gives the workers this long to save their checkpoint before SIGKILL
 # (its own default, 30 s, can cut a big model's save short). Also passed to run_multi_node.sh.
 SHUTDOWN_TIMEOUT ?= 120
@@ -43,19 +47,22 @@ $(VENV)/.ready: Makefile
 	@$(PY) -c "import torch; print('torch', torch.__version__, 'ready in $(VENV)')"
 	@touch $@
 
+# The out-dir goes after run_single.sh's own --gpu N, which must come first: make train ARGS="--gpu 1 --epochs 5".
 train: setup  ## one process: the CPU or one GPU
-	PYTHON=$(PY) SCRIPT=$(SCRIPT) ./run_single.sh $(ARGS)
+	PYTHON=$(PY) SCRIPT=$(SCRIPT) ./run_single.sh $(if $(filter --gpu,$(firstword $(ARGS))),$(wordlist 1,2,$(ARGS)) \
+	  --out-dir $(out_dir) $(wordlist 3,$(words $(ARGS)),$(ARGS)),--out-dir $(out_dir) $(ARGS))
 
 train-cpu: setup  ## two CPU processes with torchrun and gloo, even on a GPU machine
-	CUDA_VISIBLE_DEVICES= $(TORCHRUN) --nproc_per_node=2 $(SCRIPT) --backend gloo $(ARGS)
+	CUDA_VISIBLE_DEVICES= $(TORCHRUN) --nproc_per_node=2 $(SCRIPT) --backend gloo --out-dir $(out_dir) $(ARGS)
 
 train-%gpu: setup  ## torchrun with one process per GPU: make train-2gpu, make train-4gpu, make train-8gpu ...
 	@test "$(gpus)" -ge "$*" 2>/dev/null || { echo "make $@: needs $* GPUs; this machine has $(gpus)" >&2; exit 2; }
-	$(TORCHRUN) --nproc_per_node=$* $(SCRIPT) $(ARGS)
+	$(TORCHRUN) --nproc_per_node=$* $(SCRIPT) --out-dir $(out_dir) $(ARGS)
 
 train-multinode: setup  ## on every node: make train-multinode NODE_RANK=1 MASTER_ADDR=10.0.0.1
 	PYTHON=$(PY) NNODES=$(NNODES) NODE_RANK=$(NODE_RANK) MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT) \
-	  NPROC_PER_NODE=$(NPROC_PER_NODE) SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT) SCRIPT=$(SCRIPT) ./run_multi_node.sh $(ARGS)
+	  NPROC_PER_NODE=$(NPROC_PER_NODE) SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT) SCRIPT=$(SCRIPT) \
+	  ./run_multi_node.sh --out-dir $(out_dir) $(ARGS)
 
 test: setup  ## the whole test suite: real processes, two tests at a time (pytest-xdist)
 	$(PY) -m pytest -q -n 2 test_ddp_train.py
@@ -73,5 +80,5 @@ test-gpu: setup  ## on a GPU machine: the GPU tests, then a short run in every G
 bench: setup  ## side-by-side throughput, start-up and memory; ARGS=--quick for a fast check
 	$(PY) bench_ddp_train.py $(ARGS)
 
-clean:  ## remove out/ and caches
+clean:  ## remove out/ (every run of the train targets and scripts) and caches
 	rm -rf out .pytest_cache __pycache__

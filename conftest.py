@@ -236,6 +236,21 @@ def assert_only_rank0_files(out_dir: Path):
     assert sorted(p.name for p in out_dir.iterdir()) == sorted(["checkpoint.pt", "checkpoint.prev.pt", "metrics.jsonl", "model.pt"])
 
 
+def fresh_clone(directory: Path) -> Path:
+    """directory/repo: what a fresh clone holds to train (the Makefile, the scripts, examples/), its .venv
+    set up for make: this interpreter, and .ready newer than the Makefile. Launch commands with cwd=repo."""
+    repo = directory / "repo"
+    shutil.copytree(ROOT / "examples", repo / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("Makefile", "ddp_train.py", "run_single.sh", "run_multi_node.sh"):
+        shutil.copy(ROOT / name, repo)
+    python = repo / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(PY)} "$@"\n')
+    python.chmod(0o755)
+    (repo / ".venv" / ".ready").touch()
+    return repo
+
+
 # ---------------------------------------------------------------------------
 # Fault tolerance helpers
 # ---------------------------------------------------------------------------

@@ -47,11 +47,14 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils import flop_counter
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset, default_collate
 
 PROG = "ddp_train.py"
+# One default --out-dir per script (out/ddp_train, out/tinylm): another task's checkpoint never stops its resume.
+OUT_DIR = "out/" + os.path.basename(sys.argv[0] if os.path.isfile(sys.argv[0]) else PROG).removesuffix(".py")
 STARTED = time.monotonic()  # for the wall time that the progress lines and the last line give
 IN_FEATURES, NUM_CLASSES, HIDDEN = 32, 10, 256  # the default task (see build_datasets)
 
@@ -132,7 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--lr", type=at_least(0.0), default=1e-3, help="peak learning rate (build_optimizer's)")
     g.add_argument("--warmup-steps", type=at_least(0), default=0, help="linear warmup, then --schedule")
     g.add_argument("--seed", type=int, default=0, help="seeds the data, the initial weights and the shuffle")
-    g.add_argument("--out-dir", default="out", help="where rank 0 writes model.pt, checkpoints and metrics.jsonl")
+    g.add_argument("--out-dir", default=OUT_DIR, help="where rank 0 writes model.pt, checkpoints and metrics.jsonl")
     g = p.add_argument_group("the default task")
     g.add_argument("--num-samples", type=at_least(1), default=32768, help="training samples")
     g.add_argument("--eval-samples", type=at_least(0), default=4096, help="evaluation samples (0: no evaluation)")
@@ -187,7 +190,7 @@ def init_distributed(args) -> DistContext:
                                 **rendezvous(world, timeout))  # env://, or a workaround's store
     except Exception as exc:  # name what was tried; the launcher has said the rest
         fail(f"rank {rank} could not join the {world}-process group at {env.get('MASTER_ADDR')}:"
-             f"{env.get('MASTER_PORT')} within {args.timeout:g}s: {first_line(exc)}", code=1)
+             f"{env.get('MASTER_PORT')} within {args.timeout:g}s: {one_line(exc)}", code=1)
     ctx.distributed, ctx.backend, ctx.timeout = True, backend, timeout
     ctx.control_group = dist.new_group(backend="gloo", timeout=timeout)
     ctx.patient_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
@@ -218,8 +221,7 @@ def train(args, ctx: DistContext, agreement: Agreement) -> int:
     """Every rank builds the same data and model, wraps it in DDP, and trains. Returns the exit code."""
     seed_everything(args.seed)  # first: a random split inside build_datasets then agrees across ranks
     train_set, eval_set = (place_dataset(d, ctx) for d in build_datasets(args))
-    check_datasets(train_set, eval_set, ctx)
-    check_recipe(args, eval_set, ctx)
+    check_datasets(train_set, eval_set, args, ctx)
     seed_everything(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(args).to(ctx.device)
     seed_everything(mix_seed(args.seed, RANK_STREAM, ctx.rank))  # DDP: each rank its own dropout masks
@@ -283,8 +285,7 @@ def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints) -> int:
         stats.start_epoch(progress)
         last = min(job.steps_per_epoch, progress.step_in_epoch + job.total_steps - progress.step)  # --max-steps
         for step in range(progress.step_in_epoch, last):  # (a resumed epoch skips the steps done)
-            # The step's samples over all ranks: the plan knows them (the epoch's last step may be short).
-            samples = min(len(job.sampler.dataset), (step + 1) * job.global_batch) - step * job.global_batch
+            samples = min(len(job.sampler.dataset) - step * job.global_batch, job.global_batch)  # over all ranks
             set_learning_rate(job, progress.step)  # --warmup-steps, then --schedule: x each group's own lr
             train_step(job, data, len(steps[step]), samples, stats)
             progress.step_done(samples)
@@ -388,6 +389,7 @@ def run(args) -> int:
         cleanup_distributed(ctx)  # DDP: leave the process group, also after an error
 
 
+@record  # under torchrun, a traceback shows in its failure summary (fail() writes our one line there itself)
 def main(argv=None) -> int:
     args = parse_args(argv)
     return spawn_workers(args) if args.spawn else run(args)
@@ -658,7 +660,7 @@ def load_checkpoint(args, ctx: DistContext) -> tuple[dict, str] | None:
     try:
         ckpt = load_to_cpu(path, ctx)
     except Exception as exc:
-        fail(f"{path} is unreadable ({first_line(exc)[:120]}): move it away, resume from the one before with "
+        fail(f"{path} is unreadable ({one_line(exc)[:120]}): move it away, resume from the one before with "
              f"--resume {checkpoint_paths(args.out_dir)[1]}, or pass --resume never to start over", ctx=ctx)
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         fail(f"{path} is not a checkpoint of this {PROG}: --init-from {path} starts a new run from the weights of a "
@@ -691,7 +693,7 @@ def init_weights(model: nn.Module, path: str, ctx: DistContext) -> None:
     try:
         saved = load_to_cpu(path, ctx)
     except Exception as exc:
-        fail(f"--init-from {path}: cannot read it ({first_line(exc)[:120]})", ctx=ctx)
+        fail(f"--init-from {path}: cannot read it ({one_line(exc)[:120]})", ctx=ctx)
     if isinstance(saved, dict) and str(saved.get("format")).startswith("ddp_train.checkpoint/"):
         saved = saved["model"]  # a checkpoint of any version: its model
     check_same_model(saved, model, path, ctx)
@@ -870,7 +872,7 @@ def explain_failure(exc: BaseException, ctx: DistContext, agreement: Agreement) 
              "parameters sit out some steps (TORCH_DISTRIBUTED_DEBUG=INFO makes DDP name them)", ctx=ctx)
     if ctx.distributed and lost_a_peer:  # say what happened, not where we were waiting
         fail(f"rank {ctx.rank} lost contact with another process (it crashed, was killed, or its node left the "
-             f"network); rerun to resume from the last checkpoint. The error: {first_line(exc)}", code=1)
+             f"network); rerun to resume from the last checkpoint. The error: {one_line(exc)}", code=1)
 
 
 # ====== Deterministic data loading: a sample's randomness is a function of (seed, epoch, index) =============
@@ -1039,6 +1041,8 @@ def count_steps(num_samples: int, global_batch: int, args, ctx: DistContext) -> 
     if global_batch % ctx.world_size:
         fail(f"--global-batch {global_batch} is split evenly over the ranks, so the world size ({ctx.world_size}) "
              "must divide it", ctx=ctx)
+    if args.ema is not None and args.ema >= 1:
+        fail(f"--ema {args.ema:g}: the decay is below 1 (0.999 keeps about the last 1000 steps)", ctx=ctx)
     if args.drop_last and num_samples < global_batch:
         fail(f"--drop-last: the {num_samples} training samples do not fill one global batch of {global_batch}", ctx=ctx)
     return num_samples // global_batch if args.drop_last else math.ceil(num_samples / global_batch)
@@ -1107,9 +1111,11 @@ def mix_seed(*parts: int) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
 
 
-def check_datasets(train_set: Dataset, eval_set: Dataset | None, ctx: DistContext) -> None:
+def check_datasets(train_set: Dataset, eval_set: Dataset | None, args, ctx: DistContext) -> None:
     """Map-style Datasets, and the same on every rank: every rank built its own, so a cheap check
-    that they agree (their lengths)."""
+    that they agree (their lengths). An eval set, where --keep-best needs one."""
+    if args.keep_best and eval_set is None:
+        fail(f"--keep-best {args.keep_best}: there is no eval set to evaluate", ctx=ctx)
     for name, data in (("train", train_set), ("eval", eval_set)):
         if isinstance(data, IterableDataset) or (data is not None and not hasattr(data, "__getitem__")):
             fail(f"build_datasets returned an IterableDataset ({type(data).__name__}) as the {name} set: {PROG} needs "
@@ -1141,9 +1147,9 @@ def collate(items: list):
         return collate_fn(items)
     except Exception as exc:
         if collate_fn is not default_collate:
-            return Unbatchable(f"your collate_fn raised {type(exc).__name__}: {last_line(exc)}")
-        return Unbatchable(f"{last_line(exc)}. __getitem__ should return tensors, numbers or strings, or tuples, "
-                           "lists and dicts of them, with the same shapes for every item; items of different "
+            return Unbatchable(f"your collate_fn raised {type(exc).__name__}: {one_line(exc, last=True)}")
+        return Unbatchable(f"{one_line(exc, last=True)}. __getitem__ should return tensors, numbers or strings, or "
+                           "tuples, lists and dicts of them, with the same shapes for every item; items of different "
                            "shapes need a collate_fn of yours that pads them")
 
 
@@ -1571,7 +1577,7 @@ def count_flops(model: nn.Module, data: Loader, args, ctx: DistContext) -> tuple
             except Exception as exc:
                 if flop_counter.__file__ not in (frame.filename for frame in traceback.extract_tb(exc.__traceback__)):
                     raise  # the model's own error, which training would raise too
-                return None, f"torch's FlopCounterMode failed ({type(exc).__name__}: {first_line(exc)[:100]})"
+                return None, f"torch's FlopCounterMode failed ({type(exc).__name__}: {one_line(exc)[:100]})"
     if not counter.get_total_flops():
         return None, "torch's FlopCounterMode counted no FLOPs in this model"
     return counter.get_total_flops() / samples, ""
@@ -1632,14 +1638,6 @@ def keep_best(figures: dict, job: Job, progress: Progress) -> None:
         if job.ctx.is_main:
             atomic_save(model.state_dict(), os.path.join(job.args.out_dir, "best.pt"))
         wait_for_rank0(job.ctx)
-
-
-def check_recipe(args, eval_set, ctx: DistContext) -> None:
-    """The recipe's flags that can be wrong together, checked before training."""
-    if args.keep_best and eval_set is None:
-        fail(f"--keep-best {args.keep_best}: there is no eval set to evaluate", ctx=ctx)
-    if args.ema is not None and args.ema >= 1:
-        fail(f"--ema {args.ema:g}: the decay is below 1 (0.999 keeps about the last 1000 steps)", ctx=ctx)
 
 
 def call_compute_loss(model: nn.Module, batch, ctx: DistContext) -> tuple:
@@ -1763,17 +1761,17 @@ def fail(message: str, code: int = 2, ctx: DistContext | None = None) -> None:
     rank hits, so only rank 0 prints it."""
     if ctx is None or ctx.is_main:
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary shows this line (@record skips SystemExit)
+        with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": f"{PROG}: error: {message}",  # the layout of torch's ErrorHandler
+                                   "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
     raise SystemExit(code)
 
 
-def first_line(exc: BaseException) -> str:
+def one_line(exc: BaseException, last: bool = False) -> str:
+    """An exception's first line (or last), or its type's name."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def last_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[-1] if text else type(exc).__name__
+    return text.splitlines()[-1 if last else 0] if text else type(exc).__name__
 
 
 if __name__ == "__main__":

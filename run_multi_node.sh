@@ -21,7 +21,9 @@
 # last call (elastic)  --last-call S     LAST_CALL        30 s: how long a rendezvous waits for more than MIN nodes
 # time to save         --shutdown-timeout S SHUTDOWN_TIMEOUT 120 s after a stop signal (torchrun's own default: 30)
 # training script      --script PATH     SCRIPT           ddp_train.py beside this file; or your own that imports it
-# Anything else, or everything after --, goes to ddp_train.py. PYTHON picks the interpreter.
+# Anything else, or everything after --, goes to ddp_train.py. PYTHON picks the interpreter. Its --out-dir
+# is by default out/SCRIPT in each node's working directory (out/ddp_train; make train-multinode:
+# out/train-multinode/ddp_train): across nodes give one on storage that every node shares.
 #
 # Elastic: NNODES=1:2 runs with whatever nodes are there, from MIN to MAX. A node that is lost (killed,
 # or cut off: noticed within --timeout) costs the steps since the last checkpoint and one rendezvous:

@@ -7,7 +7,9 @@
 #   CUDA_VISIBLE_DEVICES= ./run_single.sh             # force the CPU on a GPU machine
 #
 # PYTHON picks the interpreter (default: this directory's .venv, else python3). SCRIPT picks the training
-# script (default: ddp_train.py beside this file; or your own that imports ddp_train).
+# script (default: ddp_train.py beside this file; or your own that imports ddp_train). The run's files go to
+# --out-dir, by default out/SCRIPT in the working directory (out/ddp_train, out/digits): the same command
+# again continues from its checkpoint. (make train gives it out/train/SCRIPT.)
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 if [[ -z "${PYTHON:-}" ]]; then

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 import ddp_train
 from conftest import (CORES, FINAL_STATES, HAS_CUDA, PY, ROOT, RUN_MULTI, SCRIPT, Launch, Result,
                       assert_only_rank0_files, assert_same_run, assert_same_weights, clean_env, default_args,
-                      edited_copy, finish, free_port, last_line, node_env, python_cmd, resumed_at, run, send, sh,
-                      start_nodes, torchrun_cmd, wait_for_checkpoint, worker_pids)
+                      edited_copy, finish, free_port, fresh_clone, last_line, node_env, python_cmd, resumed_at, run,
+                      send, sh, start_nodes, torchrun_cmd, wait_for_checkpoint, worker_pids)
 
 # A small workload: 2 epochs, 32 samples per process and step. 1000 divides by 2 and 4
 # processes, and not by the global batch (a short last step).
@@ -147,6 +147,56 @@ def test_repeated_torchrun_runs_never_abort_at_exit(tmp_path):
     for i in range(2):
         r = run(torchrun_cmd(2, *tiny), tmp_path, out=f"out{i}")
         assert "terminate called" not in r.stderr, r
+
+
+# ---------------------------------------------------------------------------
+# A newcomer's first commands: each script and each make target has an out-dir of its own, so that
+# one's checkpoint (another world size, another model) never stops another's auto-resume
+# ---------------------------------------------------------------------------
+
+TINY = ["--epochs", "1", "--num-samples", "256", "--eval-samples", "64"]  # a second of training
+
+
+def typed(cmd, tmp_path, name, repo, env=None) -> Launch:
+    """cmd run to its end in repo as a user types it (no --out-dir added): it must succeed."""
+    env = env or clean_env(MAKEFLAGS=None, MAKELEVEL=None, MFLAGS=None)
+    with Launch(cmd, tmp_path, name, env=env, cwd=repo) as launch:
+        assert launch.wait(120) == 0, f"{launch.cmd}\n{launch.stdout}\n{launch.stderr}"
+    return launch
+
+
+def test_make_train_then_train_cpu_then_train_again_each_target_continues_its_own_run(tmp_path):
+    repo = fresh_clone(tmp_path)
+    first, cpu, again = [typed(["make", "-s", target, f"ARGS={shlex.join(TINY)}"], tmp_path, f"{i}-{target}", repo)
+                         for i, target in enumerate(["train", "train-cpu", "train"])]
+    assert "saved out/train/ddp_train/model.pt" in first.stdout, first.stdout
+    assert "torchrun, world size 2" in cpu.stdout and "saved out/train-cpu/ddp_train/model.pt" in cpu.stdout, cpu.stdout
+    assert "out/train/ddp_train/checkpoint.pt holds a finished run" in again.stdout, again.stdout  # its own, resumed
+    # A script of yours has its own too; an --out-dir in ARGS wins (argparse takes the last), and make train
+    # puts the target's after run_single.sh's own --gpu N, which must come first.
+    dry = lambda *a: subprocess.run(["make", "-n", "-s", *a], cwd=repo, capture_output=True, text=True, timeout=60,
+                                    env=clean_env(MAKEFLAGS=None, MAKELEVEL=None, MFLAGS=None)).stdout.rstrip()
+    assert dry("train-cpu", "SCRIPT=examples/digits.py", "ARGS=--out-dir mine").endswith(
+        " examples/digits.py --backend gloo --out-dir out/train-cpu/digits --out-dir mine")
+    assert dry("train", "ARGS=--gpu 1 --out-dir mine").endswith(
+        "./run_single.sh --gpu 1 --out-dir out/train/ddp_train --out-dir mine")
+    assert dry("train-multinode").endswith("./run_multi_node.sh --out-dir out/train-multinode/ddp_train")
+
+
+def test_python_ddp_train_and_python_examples_tinylm_in_one_directory_write_out_dirs_of_their_own(tmp_path):
+    repo = fresh_clone(tmp_path)
+    tinylm = repo / "examples" / "tinylm.py"  # shrunk to a few steps
+    text = tinylm.read_text()
+    assert "TRAIN_SIZE, EVAL_SIZE = 3000, 300" in text
+    tinylm.write_text(text.replace("TRAIN_SIZE, EVAL_SIZE = 3000, 300", "TRAIN_SIZE, EVAL_SIZE = 64, 16"))
+    ours = typed([PY, "ddp_train.py", *TINY], tmp_path, "ddp_train", repo)
+    lm = typed([PY, "examples/tinylm.py", "--epochs", 1, "--batch-size", 16], tmp_path, "tinylm", repo,
+               env=clean_env(PYTHONPATH="."))
+    # torchrun's workers know the script's name too: the same script's run, found finished.
+    again = typed(torchrun_cmd(1, *TINY, script="ddp_train.py"), tmp_path, "again", repo)
+    assert "saved out/ddp_train/model.pt" in ours.stdout, ours.stdout
+    assert "saved out/tinylm/model.pt" in lm.stdout, lm.stdout
+    assert "out/ddp_train/checkpoint.pt holds a finished run" in again.stdout, again.stdout
 
 
 # ---------------------------------------------------------------------------
@@ -762,12 +812,29 @@ def test_bad_input_exits_with_one_clear_line(tmp_path, argv, says):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("case", [pytest.param("one line", marks=pytest.mark.fast), "traceback"])
+def test_torchruns_failure_summary_names_our_error_as_the_root_cause_never_n_a(project, tmp_path, case):
+    # torchrun's 30-line banner comes after our line: its "Root Cause" must say the same (fail() writes each
+    # worker's error file, also on ranks that print nothing) or show the traceback (@record), never "<N/A>".
+    # (Which rank is the root cause, and whether torchrun stops the other first, varies from run to run.)
+    if case == "one line":
+        cmd, env, says = torchrun_cmd(2, *SMALL, "--resume", "missing.pt"), None, \
+            "traceback : ddp_train.py: error: --resume missing.pt: no such file\n"
+    else:
+        cmd, env, says = torchrun_cmd(1, *DIGITS, "--workers", 1, script=str(project / "bad.py")), \
+            clean_env(BAD="getitem"), "ValueError: sample 7 is broken"
+    r = run(cmd, tmp_path, env=env, expect=1)
+    root = r.stderr.partition("Root Cause (first observed failure):")[2]
+    assert says in root and "<N/A>" not in root and "To enable traceback" not in root, r
+
+
 def test_sync_bn_on_cpu_says_it_needs_cuda(tmp_path):
     if HAS_CUDA:
         pytest.skip("CUDA is present: SyncBatchNorm works")
     r = run(torchrun_cmd(2, *SMALL, "--batch-norm", "--sync-bn"), tmp_path, expect=None)
     assert r.returncode != 0
-    assert r.stderr.count("ddp_train.py: error: --sync-bn needs CUDA") == 1, r
+    errors = [line for line in r.stderr.splitlines() if line.startswith("ddp_train.py: error:")]  # not the summary's
+    assert len(errors) == 1 and errors[0].startswith("ddp_train.py: error: --sync-bn needs CUDA"), r
 
 
 def test_compiled_ddp_saves_a_plain_state_dict(tmp_path):
