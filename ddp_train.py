@@ -24,10 +24,9 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import faulthandler
 import functools
 import gc
-import hashlib
-import itertools
 import json
 import math
 import os
@@ -37,6 +36,7 @@ import resource
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import zipfile
@@ -175,7 +175,7 @@ def init_distributed(args) -> DistContext:
     world, rank = int(env.get("WORLD_SIZE", 1)), int(env.get("RANK", 0))
     local_rank, local_world = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world))
     ctx = DistContext(rank, local_rank, world, local_world, launcher=launcher)
-    share_cores(ctx)
+    set_up_process(args, ctx)  # threads, and --debug's environment
     backend = "nccl" if torch.cuda.is_available() else "gloo"  # for CPU training, hide the GPUs (CUDA_VISIBLE_DEVICES=)
     if torch.cuda.is_available():
         ctx.device = gpu_of(ctx)  # DDP: one GPU per process, picked by LOCAL_RANK ...
@@ -276,7 +276,7 @@ def wrap_model(model: nn.Module, args, ctx: DistContext) -> nn.Module:
 def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints) -> int:
     """Optimizer steps, epoch after epoch, to the run's total. All ranks run every line together; rank 0
     alone prints and writes."""
-    args, ctx, stats = job.args, job.ctx, EpochStats(job.ctx, job.args.amp)
+    args, ctx, stats = job.args, job.ctx, EpochStats(job.ctx, job.args.amp, job.train_data)
     while progress.step < job.total_steps:
         job.sampler.set_epoch(progress.epoch)  # Trap: without it every epoch repeats the same shuffle
         # DDP: this rank's samples of each step: its share of the step's global batch, as micro-batches.
@@ -416,8 +416,7 @@ def add_machinery_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-steps", type=at_least(1), default=None, metavar="N",
                    help="train exactly N optimizer steps, through as many epochs as that takes (overrides --epochs)")
     g.add_argument("--schedule", choices=("cosine", "linear", "constant", "wsd"), default="cosine",
-                   help="after the warmup: cosine or linear decay to 0, constant, or wsd (warmup-stable-decay: "
-                        "constant, then linear to 0 over the last WSD_DECAY of the steps)")
+                   help="after the warmup: cosine or linear decay to 0, constant, or wsd (warmup-stable-decay)")
     g.add_argument("--weight-decay", type=at_least(0.0), default=0.01,
                    help="the default AdamW's (torch's default), on parameters of 2 or more dimensions")
     g.add_argument("--eval-every", type=at_least(0), default=0, metavar="N",
@@ -428,6 +427,11 @@ def add_machinery_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ema", type=at_least(0.0, strict=True), default=None, metavar="DECAY",
                    help="an exponential moving average of the weights (0.999...): eval_ema_*, model_ema.pt")
     g.add_argument("--tensorboard", action="store_true", help="write TensorBoard curves under OUT_DIR/tensorboard")
+    g = p.add_argument_group("hangs and stragglers")
+    g.add_argument("--stall-seconds", type=at_least(0.0), default=300.0, metavar="S",
+                   help="S seconds without a step: each rank's stacks in OUT_DIR/stall/, who holds up whom (0: off)")
+    g.add_argument("--debug", action="store_true",
+                   help="torch's distributed debugging (DETAIL, NCCL_DEBUG=INFO, C++ stacks); ranks' in OUT_DIR/debug")
     g = p.add_argument_group("model and optimizer")
     g.add_argument("--clip-grad-norm", type=at_least(0.0, strict=True), default=None, metavar="MAX",
                    help="clip the global gradient norm to MAX once per optimizer step")
@@ -604,10 +608,9 @@ class Checkpoints:
         differences = [f"{key} {saved.get(key)} -> {value}" for key, value in self.config.items()
                        if saved.get(key) != value]
         if differences:
-            hint = ""
-            if any(d.startswith("global_batch_size") for d in differences):
-                hint = (" (with another world size, keep batch-size x world size x grad-accum the same, or fix the "
-                        "global batch with --global-batch: an elastic run needs it)")
+            hint = (" (with another world size, keep batch-size x world size x grad-accum the same, or fix the "
+                    "global batch with --global-batch: an elastic run needs it)"
+                    if any(d.startswith("global_batch_size") for d in differences) else "")
             fail(f"cannot resume from {path}: {', '.join(differences)}{hint}; rerun with the same settings, or "
                  "start over with --resume never or another --out-dir", ctx=self.ctx)
 
@@ -639,10 +642,8 @@ def atomic_save(obj, path: str, keep_previous: str | None = None) -> None:
         os.replace(path, keep_previous)
     os.replace(tmp, path)
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
+    os.fsync(dir_fd)  # make the rename itself durable
+    os.close(dir_fd)
 
 
 def load_checkpoint(args, ctx: DistContext) -> tuple[dict, str] | None:
@@ -783,6 +784,9 @@ class Agreement:
         self.logged_at = self.saved_at = time.monotonic()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handler)
+        self.step = 0  # the last finished optimizer step, which the watchdog reads
+        if args.stall_seconds:
+            threading.Thread(target=watchdog, args=(self, args, ctx), daemon=True).start()
 
     def _handler(self, signum, frame):
         # A launcher that forwards the terminal's Ctrl-C delivers it twice within moments: that is one.
@@ -801,7 +805,7 @@ class Agreement:
     def decide(self, step: int) -> tuple[bool, bool, bool]:
         """(stop, log, save) after optimizer step `step`: the same on every rank. --save-every counts
         steps, which the ranks agree on without asking."""
-        voting = step >= self.next_vote  # the same on every rank: the votes say when the next one is
+        self.step, voting = step, step >= self.next_vote  # the votes say when the next one is: the same on every rank
         stop, log_now, save_due = (total > 0 for total in self.last_vote()) if voting else (False,) * 3
         save_now = save_due or bool(self.args.save_every and step % self.args.save_every == 0)
         if log_now:
@@ -871,8 +875,59 @@ def explain_failure(exc: BaseException, ctx: DistContext, agreement: Agreement) 
         fail("some parameters got no gradient in a step after the first; pass --find-unused-parameters if some "
              "parameters sit out some steps (TORCH_DISTRIBUTED_DEBUG=INFO makes DDP name them)", ctx=ctx)
     if ctx.distributed and lost_a_peer:  # say what happened, not where we were waiting
-        fail(f"rank {ctx.rank} lost contact with another process (it crashed, was killed, or its node left the "
-             f"network); rerun to resume from the last checkpoint. The error: {one_line(exc)}", code=1)
+        fail(f"rank {ctx.rank} lost contact with another process (it crashed, hung past --timeout, was killed, or its "
+             f"node left the network); rerun to resume from the last checkpoint. The error: {one_line(exc)}", code=1)
+
+
+# ====== When a run hangs: which rank, where, and why =========================================================
+
+# What a rank does: the innermost of these on its main thread's stack ("waiting": for the other ranks).
+PLACES = {"call_compute_loss": "in compute_loss", "batches": "loading data", "evaluate": "evaluating",
+          "atomic_save": "saving", "train_step": "waiting in backward: the gradient all-reduce",
+          "fold": "waiting in the loss all-reduce", "last_vote": "waiting in the vote",
+          "wait_for_rank0": "waiting for rank 0"}
+
+
+def watchdog(agreement: Agreement, args, ctx: DistContext) -> None:
+    """--stall-seconds S, a thread in every rank: after S seconds without an optimizer step, each rank writes
+    its threads' stacks to OUT_DIR/stall/rank{R}.txt and posts its last step and place to the process group's
+    TCP store, which answers when collectives do not; rank 0 prints one report. Nothing per step but the
+    step noted in decide(); the run goes on waiting, and fails by --timeout as before."""
+    last, since = -1, time.monotonic()
+    while True:
+        time.sleep(min(1.0, args.stall_seconds / 10))
+        if agreement.step != last:
+            last, since, reported = agreement.step, time.monotonic(), False
+        elif not reported and time.monotonic() - since >= args.stall_seconds:
+            reported = True
+            report_stall(last, time.monotonic() - since, args, ctx)
+
+
+def report_stall(step: int, seconds: float, args, ctx: DistContext) -> None:
+    path = os.path.join(args.out_dir, "stall", f"rank{ctx.rank}.txt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+    stack = traceback.extract_stack(sys._current_frames()[threading.main_thread().ident])
+    place = next((PLACES[f.name] for f in reversed(stack) if f.filename == __file__ and f.name in PLACES), "")
+    where = f"{place or 'in ' + stack[-1].name} ({os.path.basename(stack[-1].filename)}:{stack[-1].lineno})"
+    ranks = [{"rank": ctx.rank, "step": step, "place": where, "stacks": path}]
+    if ctx.distributed:  # a client of the store that init_process_group used (env://)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        keys = [f"ddp_train/stall/{attempt}/{step}/{r}" for r in range(ctx.world_size)]
+        store.set(keys[ctx.rank], json.dumps(ranks[0]))
+        if not ctx.is_main:
+            return
+        deadline = time.monotonic() + 15  # the others fire about when rank 0 does
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        ranks = [json.loads(store.get(k)) if store.check([k]) else {"rank": r, "step": "?", "place": "no answer",
+                 "stacks": ""} for r, k in enumerate(keys)]
+    ranks.sort(key=lambda r: r["place"].startswith("waiting"))  # the ones the others wait for first
+    log(ctx, f"{PROG}: stall: no optimizer step for {seconds:.0f} s. Rank {ranks[0]['rank']} holds the others up: "
+             f"{ranks[0]['place']}; its stacks: {ranks[0]['stacks']}\n"
+             + "\n".join(f"  rank {r['rank']}: last step {r['step']}, {r['place']}" for r in ranks), error=True)
 
 
 # ====== Deterministic data loading: a sample's randomness is a function of (seed, epoch, index) =============
@@ -893,7 +948,7 @@ class Loader:
     def __init__(self, dataset: Dataset, batch_size: int, ctx: DistContext, workers: int, seed: int):
         self.dataset, self.batch_size, self.ctx = dataset, batch_size, ctx
         # The DataLoader's batch sampler: the batches of the next pass, set before each (it iterates the list).
-        self.samples, self.plan, self.loader = SeededSamples(dataset, seed), [], None
+        self.samples, self.plan, self.loader, self.waited = SeededSamples(dataset, seed), [], None, 0.0
         on_gpu = ctx.device.type == "cuda"
         if in_memory(dataset):  # no workers needed: a batch is one index gather
             return
@@ -916,16 +971,19 @@ class Loader:
         if in_memory(self.dataset):
             # In-memory tensors: gather a whole batch with one index op instead of collating samples.
             tensors = self.dataset.tensors
-            flat = torch.as_tensor(list(itertools.chain(*micro_batches)), dtype=torch.long, device=tensors[0].device)
+            flat = torch.tensor([i for rows in micro_batches for i in rows], device=tensors[0].device)
             for rows in flat.split([len(rows) for rows in micro_batches]):
                 yield tuple(t[rows] for t in tensors)  # on the device already (place_dataset)
             return
         self.plan[:] = [[(epoch, i) for i in rows] for rows in micro_batches]
         loaded = iter(self.loader) if self.loader else (load_here(self.samples, b) for b in self.plan)
+        clock = time.perf_counter()
         for batch in loaded:  # (an exception in a worker comes here with the worker's traceback in its message)
+            self.waited += time.perf_counter() - clock  # for the stragglers' figures: the time spent waiting for data
             if isinstance(batch, Unbatchable):
                 fail(f"cannot batch the items of {type(self.dataset).__name__}: {batch}", ctx=self.ctx)
             yield to_device(batch, self.ctx.device)
+            clock = time.perf_counter()
 
 
 def in_memory(dataset) -> bool:
@@ -1108,7 +1166,7 @@ def seed_everything(seed: int) -> None:
 
 def mix_seed(*parts: int) -> int:
     """A well-mixed 64-bit seed from integers: the same in every process, machine and version."""
-    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
+    return random.Random(repr(parts)).getrandbits(64)  # a str seeds through SHA-512: no hash randomisation
 
 
 def check_datasets(train_set: Dataset, eval_set: Dataset | None, args, ctx: DistContext) -> None:
@@ -1179,17 +1237,13 @@ def place_dataset(dataset: Dataset | None, ctx: DistContext) -> Dataset | None:
 def rank0_first(local: bool = False):
     """Rank 0 (local=True: the first process of each node) runs the body first, say to download or
     build a cache, while the others wait for up to PATIENT_TIMEOUT; then the others run it."""
-    if not (dist.is_available() and dist.is_initialized()):
-        yield
-        return
-    first = (int(os.environ.get("LOCAL_RANK", 0)) if local else dist.get_rank()) == 0
-    group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)  # all ranks, before any work
+    group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT) if dist.is_initialized() else None  # all ranks
+    first = group is None or (int(os.environ.get("LOCAL_RANK", 0)) if local else dist.get_rank()) == 0
     if not first:
         dist.barrier(group=group)
     yield
-    if first:
+    if first and group is not None:
         dist.barrier(group=group)
-    dist.destroy_process_group(group)
 
 
 # ====== Launcher adapters: SLURM, the legacy launcher and --spawn speak torchrun's environment ==============
@@ -1277,10 +1331,24 @@ def cpus_per_process(affinity: int, local_world_size: int, launcher: str, slurm_
     return max(1, affinity // max(1, local_world_size))
 
 
-def share_cores(ctx: DistContext) -> None:
-    """Threads: this process's cores, unless the user chose (OMP_NUM_THREADS)."""
+def set_up_process(args, ctx: DistContext) -> None:
+    """Threads: this process's cores, unless the user chose (OMP_NUM_THREADS). --debug: the environment
+    torch's distributed debugging reads, before the process group starts: DDP's and c10d's checks
+    (TORCH_DISTRIBUTED_DEBUG=DETAIL: mismatched collectives, unused parameters by name), NCCL's log and
+    C++ stack traces; every rank but 0 writes its output (stderr) to OUT_DIR/debug/rank{R}.log."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(process_cpus(ctx))
+    if args.debug:
+        os.environ.update(TORCH_DISTRIBUTED_DEBUG="DETAIL", TORCH_SHOW_CPP_STACKTRACES="1", NCCL_DEBUG="INFO")
+        dist.set_debug_level_from_env()  # torch.distributed read the variable when it was imported
+    if torch.cuda.is_available():  # NCCL's flight recorder: the collectives in flight, dumped on a timeout
+        os.makedirs(os.path.join(args.out_dir, "stall"), exist_ok=True)
+        trace = os.path.join(args.out_dir, "stall", "nccl_trace_rank_")
+        for name, value in (("TRACE_BUFFER_SIZE", "2000"), ("DUMP_ON_TIMEOUT", "1"), ("DEBUG_INFO_TEMP_FILE", trace)):
+            os.environ.setdefault(f"TORCH_NCCL_{name}", value)
+        if ctx.rank:  # fd 2 becomes the file's (closing the file object leaves fd 2 open)
+            os.makedirs(os.path.join(args.out_dir, "debug"), exist_ok=True)
+            os.dup2(open(os.path.join(args.out_dir, "debug", f"rank{ctx.rank}.log"), "w").fileno(), 2)
 
 
 def spawn_workers(args) -> int:
@@ -1364,17 +1432,17 @@ class EpochStats:
     run, on every rank, at the first non-finite loss or gradient norm. With fp16 a non-finite norm
     is a step that the GradScaler skipped by design: those are counted, and kept out of the maximum."""
 
-    def __init__(self, ctx: DistContext, amp: str):
-        self.ctx, self.fp16 = ctx, amp == "fp16"
+    def __init__(self, ctx: DistContext, amp: str, loader: Loader | None = None):
+        self.ctx, self.fp16, self.loader, self.waits = ctx, amp == "fp16", loader, [0.0] * ctx.world_size
         self.step_losses, self.norms, self.count, self.current = [], [], 0, None
         self.max_norm, self.last_norm, self.skipped, self.first_step_at = None, None, 0, None
-        self.zero = torch.zeros((), device=ctx.device)
-        self.loop_started, self.first_step = time.perf_counter(), None
+        self.loop_started, self.first_step, self.zero = time.perf_counter(), None, torch.zeros((), device=ctx.device)
 
     def start_epoch(self, progress: Progress) -> None:
         self.started, self.max_norm, self.skipped = time.perf_counter(), None, 0
         self.samples_before, self.count_before = progress.samples, progress.count
-        self.line = (self.started, progress.samples, progress.count, progress.loss_sum)  # for log_progress
+        self.line = (self.started, progress.samples, progress.count, progress.loss_sum, self.waits)  # for log_progress
+        self.epoch_waits = self.waits
         self.first_step = progress.step if self.first_step is None else self.first_step
 
     def add(self, loss_sum: torch.Tensor, count) -> None:
@@ -1395,10 +1463,14 @@ class EpochStats:
     def fold(self, progress: Progress) -> None:
         """All ranks: add the sums since the last fold into the epoch's global totals."""
         count = torch.as_tensor(self.count, dtype=torch.float64, device=self.ctx.device).reshape(1)
-        sums = torch.cat([torch.stack(self.step_losses).double().reshape(-1) if self.step_losses else count[:0], count])
+        waits = torch.zeros(self.ctx.world_size, dtype=torch.float64, device=self.ctx.device)
+        waits[self.ctx.rank] = self.loader.waited if self.loader else 0.0  # its slot: the seconds it waited for data
+        losses = torch.stack(self.step_losses).double().reshape(-1) if self.step_losses else count[:0]
+        sums = torch.cat([losses, count, waits])
         if self.ctx.distributed:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM)  # DDP: each step's loss sum and the count, all ranks'
-        *losses, count = sums.tolist()
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)  # DDP: each step's loss sum, the count, each rank's wait
+        *losses, count = sums[: -self.ctx.world_size].tolist()
+        self.waits = sums[-self.ctx.world_size :].tolist()
         loss_sum, first = sum(losses), progress.step - len(losses) + 1  # first: the step of the first entry
         bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
         if bad:
@@ -1424,19 +1496,20 @@ class EpochStats:
     def log_progress(self, progress: Progress, job: Job) -> None:
         """Rank 0: a progress record, with the loss and throughput since the last one (or the epoch's start),
         the time since launch and the time left, at the pace of this run's steps so far."""
-        now, (then, samples, count, loss) = time.perf_counter(), self.line
-        self.line = (now, progress.samples, progress.count, progress.loss_sum)
+        now, (then, samples, count, loss, waits) = time.perf_counter(), self.line
+        self.line = (now, progress.samples, progress.count, progress.loss_sum, self.waits)
         count, per_step = progress.count - count, (now - self.loop_started) / max(1, progress.step - self.first_step)
         job.records({"kind": "progress", "step": progress.step, "epoch": progress.epoch + 1,
                      "train_loss": (progress.loss_sum - loss) / count if count else None,
-                     **self.rates(progress.samples - samples, count, max(now - then, 1e-9), job),
+                     **self.rates(progress.samples - samples, count, max(now - then, 1e-9), job, waits),
                      "lr": job.optimizers[0].param_groups[0]["lr"], "grad_norm": self.last_norm,
                      "elapsed_s": time.monotonic() - STARTED, "eta_s": per_step * (job.total_steps - progress.step)})
 
-    def rates(self, samples: int, count: float, seconds: float, job: Job) -> dict:
-        """Throughput: samples/s, the count's (tokens/s), and the training FLOP/s of each process, over its
-        peak (--peak-tflops) as MFU."""
-        rates = {"samples_per_sec": samples / seconds}
+    def rates(self, samples: int, count: float, seconds: float, job: Job, waits: list) -> dict:
+        """Throughput: samples/s, the count's (tokens/s), the training FLOP/s of each process, over its peak
+        (--peak-tflops) as MFU, and each rank's share of the time spent waiting for data (waits: at the start)."""
+        rates = {"samples_per_sec": samples / seconds,
+                 "data_wait_by_rank": [round((now - then) / seconds, 4) for now, then in zip(self.waits, waits)]}
         if COUNT_UNIT != "samples":
             rates[f"{COUNT_UNIT}_per_sec"] = count / seconds
         if job.flops_per_sample:
@@ -1454,7 +1527,7 @@ class EpochStats:
                   "eval_samples": 0, "train_samples": progress.samples, "world_size": self.ctx.world_size,
                   "effective_batch_size": job.global_batch, "lr": job.optimizers[0].param_groups[0]["lr"],
                   **self.rates(progress.samples - self.samples_before, progress.count - self.count_before, seconds,
-                               job),
+                               job, self.epoch_waits),
                   "epoch_time_s": seconds, "first_step_at": self.first_step_at,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
         if self.ctx.device.type == "cuda":  # peak GPU memory
@@ -1487,10 +1560,9 @@ def log_start(job: Job, flops_not_counted: str) -> None:
 
 
 class Records:
-    """Rank 0's sinks for every record (progress lines, epochs, evaluations): the console, metrics.jsonl
-    (epochs and evaluations), TensorBoard (--tensorboard: each number as KIND/NAME at the record's step)
-    and report(). A resumed run drops what was written after its checkpoint's step: metrics.jsonl's lines,
-    and TensorBoard's events (purge_step), so that no step is written twice."""
+    """Rank 0's sinks for every record (progress, epoch, eval): the console, metrics.jsonl (epochs, evaluations),
+    TensorBoard (--tensorboard: KIND/NAME at the step) and report(). A resume drops what was written after
+    its checkpoint's step (TensorBoard: purge_step), so that no step is written twice."""
 
     def __init__(self, args, ctx: DistContext, progress: Progress, total: int, steps_per_epoch: int):
         self.ctx, self.writer, self.total, self.epochs = ctx, None, total, math.ceil(total / steps_per_epoch)
@@ -1539,6 +1611,10 @@ def console_line(record: dict, total: int, epochs: int) -> str:
         rates += f"  {r[f'{COUNT_UNIT}_per_sec']:>9,.0f} {COUNT_UNIT}/s"
     if "mfu" in r:
         rates += f"  MFU {100 * r['mfu']:5.2f}%"
+    waits = r["data_wait_by_rank"]  # a straggler: a rank that waits for data markedly more than the median
+    median, worst = sorted(waits)[(len(waits) - 1) // 2], max(range(len(waits)), key=waits.__getitem__)
+    rates += (f"  rank {worst} waits for data {waits[worst]:.0%} of the time (median {median:.0%})"
+              if waits[worst] > 2 * median + 0.05 else f"  data wait {median:3.0%}")
     if r["kind"] == "epoch":
         return (f"epoch {r['epoch']:>3}/{epochs}  train_loss {r['train_loss']:.4f}{evals}  {rates}  "
                 f"world {r['world_size']}  batch {r['effective_batch_size']}  {r['epoch_time_s']:6.2f} s")
@@ -1617,8 +1693,7 @@ def evaluation(job: Job, progress: Progress) -> dict:
     figures = evaluate(job.model, job.eval_data, job.args, job.ctx)
     if "ema" in job.state:
         ema = evaluate(job.state["ema"].module, job.eval_data, job.args, job.ctx)
-        counts = ("eval_samples", f"eval_{COUNT_UNIT}")  # the same as the weights'
-        figures.update({"eval_ema_" + k[5:]: v for k, v in ema.items() if k not in counts})
+        figures.update({f"eval_ema_{k[5:]}": v for k, v in ema.items() if k[5:] not in ("samples", COUNT_UNIT)})
     if job.args.keep_best:
         keep_best(figures, job, progress)
     return {"step": progress.step, "epoch": progress.epoch + 1, **figures}
@@ -1711,26 +1786,21 @@ def autocast(args, ctx: DistContext):
 
 
 def set_learning_rate(job: Job, step: int) -> None:
-    """The learning rate of optimizer step `step` (0-based): each parameter group's own base rate, noted in
-    the group the first time (so the optimizer's checkpoint carries it), times the schedule's factor. The
-    factor depends only on the step and the run's length: a resume, or a run made longer, needs no state."""
+    """Each parameter group's own base rate (noted in the group the first time: the checkpoint carries it) x the
+    schedule's factor at `step`, which depends only on the step and the run's length: no state of its own."""
     factor = lr_factor(job.args.schedule, step, job.total_steps, job.args.warmup_steps)
     for optimizer in job.optimizers:
         for group in optimizer.param_groups:
             group["lr"] = group.setdefault("base_lr", group["lr"]) * factor
 
 
-WSD_DECAY = 0.2  # --schedule wsd decays over the last fifth of the run
-
-
 def lr_factor(schedule: str, step: int, total: int, warmup: int) -> float:
-    """--schedule's multiplier at step `step` (0-based) of `total`: a linear warmup over `warmup` steps,
-    then a cosine or linear decay to 0 at the end, a constant, or wsd (warmup-stable-decay: constant,
-    then a linear decay to 0 over the last WSD_DECAY of the run, as language models are trained)."""
+    """--schedule's multiplier at step `step` (0-based) of `total`: a linear warmup over `warmup` steps, then a
+    cosine or linear decay to 0, a constant, or wsd (constant, then linear to 0 over the run's last fifth)."""
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "wsd":
-        return min(1.0, (total - step) / max(1.0, WSD_DECAY * total))
+        return min(1.0, (total - step) / max(1.0, 0.2 * total))
     done = (step - warmup) / max(1, total - warmup)
     return {"cosine": 0.5 * (1 + math.cos(math.pi * done)), "linear": 1 - done, "constant": 1.0}[schedule]
 
