@@ -1061,6 +1061,133 @@ model.load_state_dict(torch.load(sys.argv[1], weights_only=True))
 ctx = ddp_train.DistContext()
 print(json.dumps(ddp_train.evaluate(model, ddp_train.Loader(eval_set, args.batch_size, ctx, 0, args.seed), args, ctx)))
 """,
+    # Your recipe (build_optimizer): a deterministic CNN (plain.py's) on digits, trained by two optimizers:
+    # SGD with Nesterov momentum over the convolutions, in two parameter groups of their own lrs, and AdamW over
+    # the head. SCALE_ONLY_FIRST=1 plants a bug: the step's gradient scale reaches the first optimizer's
+    # parameters only (the second's gradients are divided by it first).
+    "recipe_two_optimizers.py": """
+import os
+import sys
+import torch
+import torch.nn as nn
+import ddp_train
+import plain  # digits' data and plain.py's CNN
+
+
+def build_optimizer(args, model):
+    convs = [m for m in model if isinstance(m, nn.Conv2d)]
+    sgd = torch.optim.SGD([{"params": [c.weight for c in convs]},
+                           {"params": [c.bias for c in convs], "lr": 5 * args.lr}],
+                          lr=20 * args.lr, momentum=0.9, nesterov=True)
+    return [sgd, torch.optim.AdamW(model[-1].parameters(), lr=args.lr)]
+
+
+def mean_gradients(job, count, mean=ddp_train.mean_gradients):
+    scale = ddp_train.gradient_scale(count, job.ctx.world_size * job.typical_count, torch.float32)
+    if scale is not None:
+        for group in job.optimizers[1].param_groups:
+            for p in group["params"]:
+                p.grad.div_(scale)
+    return mean(job, count)
+
+
+ddp_train.build_optimizer = build_optimizer
+if os.environ.get("SCALE_ONLY_FIRST"):
+    ddp_train.mean_gradients = mean_gradients
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # The default task (ddp_train's data and MLP) with stopper.py's tripwire (STOP_AT, STOP_SIGNAL...).
+    "recipe_mlp.py": """
+import sys
+import ddp_train
+
+default_task = ddp_train.build_datasets, ddp_train.build_model
+import stopper  # its tripwire (importing it plugs in digits: the default task comes back below)
+
+
+def build_model(args):
+    model = default_task[1](args)
+    model.register_forward_pre_hook(stopper.tripwire)
+    return model
+
+
+ddp_train.build_datasets, ddp_train.build_model = default_task[0], build_model
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # recipe_mlp.py trained by Muon (torch.optim.Muon: matrices only) on the hidden layers' weights and AdamW on
+    # the rest, in two parameter groups (the head's weight decays, the biases do not).
+    "recipe_muon.py": """
+import sys
+import torch
+import torch.nn as nn
+import ddp_train
+import recipe_mlp  # the default task, with the tripwire
+
+
+def build_optimizer(args, model):
+    *hidden, head = [m for m in model if isinstance(m, nn.Linear)]
+    muon = torch.optim.Muon([m.weight for m in hidden], lr=args.lr, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([{"params": [head.weight], "weight_decay": args.weight_decay},
+                               {"params": [m.bias for m in (*hidden, head)], "weight_decay": 0.0}], lr=args.lr)
+    return [muon, adamw]
+
+
+ddp_train.build_optimizer = build_optimizer
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # The default task trained by an AdamW subclass whose step() appends every parameter group's lr, as JSON, to
+    # LR_LOG (rank 0); two groups: the weights at --lr, the biases at a quarter of it.
+    "recipe_lr_log.py": """
+import json
+import os
+import sys
+import torch
+import ddp_train
+
+
+class LoggedAdamW(torch.optim.AdamW):
+    def step(self, closure=None):
+        if os.environ.get("RANK", "0") == "0":
+            with open(os.environ["LR_LOG"], "a") as f:
+                f.write(json.dumps([group["lr"] for group in self.param_groups]) + "\\n")
+        return super().step(closure)
+
+
+def build_optimizer(args, model):
+    params = list(model.parameters())
+    return LoggedAdamW([{"params": [p for p in params if p.dim() >= 2]},
+                        {"params": [p for p in params if p.dim() < 2], "lr": args.lr / 4}], lr=args.lr)
+
+
+ddp_train.build_optimizer = build_optimizer
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # A build_optimizer that forgets digits' head (ODD=none), or gives it to two optimizers (ODD=twice).
+    "recipe_odd_optimizer.py": """
+import os
+import sys
+import torch
+import ddp_train
+import digits
+
+
+def build_optimizer(args, model):
+    body = [p for name, p in model.named_parameters() if not name.startswith("8.")]
+    optimizers = [torch.optim.AdamW(body, lr=args.lr)]
+    if os.environ["ODD"] == "twice":
+        optimizers += [torch.optim.SGD(model[8].parameters(), lr=args.lr),
+                       torch.optim.AdamW(model[8].parameters(), lr=args.lr)]
+    return optimizers
+
+
+ddp_train.build_optimizer = build_optimizer
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
 }
 
 

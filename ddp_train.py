@@ -299,7 +299,7 @@ def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints) -> int:
                 stats.log_progress(progress, job)
             if stopping or save_now:
                 checkpoints.save(job)  # rank 0 writes, every rank waits for it
-            if stopping:
+            if stopping and progress.step < job.total_steps:  # (a stop in the run's last step finishes it)
                 return job.agreement.stopped(progress, args.out_dir)
         # --- end of epoch (or of the run, with --max-steps): all ranks ---
         stats.fold(progress)  # DDP: all-reduce the loss sums: the exact global train loss

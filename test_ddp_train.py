@@ -1900,6 +1900,188 @@ def test_benchmark_quick_runs_and_prints_its_table(tmp_path):
 
 
 # ---------------------------------------------------------------------------
+# Your recipe: several optimizers with parameter groups of their own (SGD, AdamW, Muon), --schedule,
+# --max-steps with --eval-every and --keep-best
+# ---------------------------------------------------------------------------
+
+# recipe_two_optimizers.py: plain.py's deterministic CNN on digits, SGD (Nesterov momentum) over the
+# convolutions in two parameter groups of their own lrs, AdamW over the head; clipped (the largest gradient
+# norm is about 0.4). A global batch of 64 either way: 23 steps an epoch.
+TWO_OPTIMIZERS = ["--epochs", "2", "--clip-grad-norm", "0.25", "--lr", "0.002"]
+
+
+def test_two_optimizers_with_parameter_groups_of_their_own_keep_two_ranks_with_accumulation_equal_to_one_process(
+        project, tmp_path):
+    script = str(project / "recipe_two_optimizers.py")
+    two = torchrun_cmd(2, *TWO_OPTIMIZERS, "--batch-size", "16", "--grad-accum", "2", script=script)
+    one = run(python_cmd(*TWO_OPTIMIZERS, "--batch-size", "64", script=script), tmp_path, out="one")
+    r = run(two, tmp_path, out="two")
+    assert_same_weights(r.weights, one.weights)
+    assert r.metrics[0]["grad_norm_max"] > 0.25 and r.metrics[-1]["effective_batch_size"] == 64  # it clipped
+    for a, b in zip(r.metrics, one.metrics):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6) and a["eval_accuracy"] == b["eval_accuracy"]
+    # Both optimizers were stepped and saved, each group with its own base rate.
+    ckpt = torch.load(r.out_dir / "checkpoint.pt", weights_only=True)
+    assert ckpt["config"]["optimizers"] == ["SGD", "AdamW"]
+    sgd, adamw = ckpt["optimizers"]
+    assert [g["base_lr"] for g in sgd["param_groups"]] == [0.04, 0.01] and adamw["param_groups"][0]["base_lr"] == 0.002
+    assert all("momentum_buffer" in s for s in sgd["state"].values()) and len(adamw["state"]) == 2
+    # Negative control: the step's gradient scale applied to the first optimizer's parameters only is caught.
+    bug = run(two, tmp_path, out="bug", env=clean_env(SCALE_ONLY_FIRST=1))
+    with pytest.raises(AssertionError):
+        assert_same_weights(bug.weights, one.weights)
+
+
+# recipe_muon.py: the default task's MLP, Muon on the hidden layers' weights, AdamW on the rest in two groups.
+# 1 x 32: 64 steps an epoch, checkpoints at epoch ends only.
+MUON = ["--num-samples", "2048", "--eval-samples", "256", "--epochs", "2", "--batch-size", "32", "--save-every", "0"]
+
+
+def test_muon_and_adamw_stopped_by_sigterm_mid_epoch_resume_bit_identical(project, tmp_path):
+    cmd = python_cmd(*MUON, script=str(project / "recipe_muon.py"))
+    whole = run(cmd, tmp_path, out="whole")
+    step = 70  # SIGTERM in epoch 2's 6th step: one process stops right after it
+    stopped = run(cmd, tmp_path, env=clean_env(STOP_SIGNAL="TERM", STOP_AT=step), expect=75)
+    assert f"stopped by a signal at step {step}:" in stopped.stdout, stopped
+    ckpt = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)
+    assert ckpt["progress"]["step"] == step and ckpt["config"]["optimizers"] == ["Muon", "AdamW"]
+    muon, adamw = ckpt["optimizers"]
+    assert len(muon["state"]) == 2 and all("momentum_buffer" in s for s in muon["state"].values())
+    assert len(adamw["param_groups"]) == 2 and len(adamw["state"]) == 4
+    again = run(cmd, tmp_path)
+    assert resumed_at(again.stdout) == (step - 64, step), again
+    assert_same_weights(again.weights, whole.weights, exact=True)
+    assert [m["eval_loss"] for m in again.metrics] == [m["eval_loss"] for m in whole.metrics]
+
+
+# The default task (recipe_mlp.py: with stopper.py's tripwire), 20 steps an epoch, 50 steps in all (2.5 epochs),
+# an evaluation every 8 steps (step 40 is an epoch's end). At a constant lr of 0.05 the eval loss rises again
+# after its low: best.pt is not model.pt.
+MAX_STEPS = ["--num-samples", "640", "--eval-samples", "64", "--batch-size", "32", "--max-steps", "50",
+             "--eval-every", "8", "--keep-best", "eval_loss", "--lr", "0.05", "--schedule", "constant"]
+
+
+def eval_loss_of(weights: Path, argv: list[str]) -> float:
+    """The default task's mean cross-entropy over its eval set, of saved weights, computed here."""
+    args = default_args(*argv)
+    _, eval_set = ddp_train.build_datasets(args)
+    model = ddp_train.build_model(args)
+    model.load_state_dict(torch.load(weights, weights_only=True))
+    x, y = eval_set.tensors
+    with torch.no_grad():
+        return F.cross_entropy(model(x).double(), y).item()
+
+
+def test_max_steps_evaluates_at_the_multiples_of_eval_every_across_epoch_ends_and_best_pt_is_the_lowest(
+        project, tmp_path, reference):
+    r = reference(python_cmd(*MAX_STEPS, script=str(project / "recipe_mlp.py")))
+    # Evaluations at 8, 16, 24, 32, 48; at 40 (an epoch's end) and 50 (the run's) the epoch's record carries it.
+    assert [(m["kind"], m["step"], m["epoch"]) for m in r.metrics] == [
+        ("eval", 8, 1), ("eval", 16, 1), ("epoch", 20, 1), ("eval", 24, 2), ("eval", 32, 2), ("epoch", 40, 2),
+        ("eval", 48, 3), ("epoch", 50, 3)]
+    assert all(m["eval_samples"] == 64 and m["eval_loss"] > 0 for m in r.metrics)
+    assert [m["train_samples"] for m in r.metrics if m["kind"] == "epoch"] == [640, 640, 320]  # the last: 10 steps
+    assert "model.pt: 2 epoch(s), 50 steps" in r.stdout, r
+    lowest = min(m["eval_loss"] for m in r.metrics)
+    assert eval_loss_of(r.out_dir / "best.pt", MAX_STEPS) == pytest.approx(lowest, rel=1e-6)
+    final = eval_loss_of(r.out_dir / "model.pt", MAX_STEPS)
+    assert final == pytest.approx(r.metrics[-1]["eval_loss"], rel=1e-6) and final > lowest * 1.01  # not the best
+
+
+def test_max_steps_with_keep_best_stopped_twice_around_the_best_resumes_to_bit_identical_model_and_best_pt(
+        project, tmp_path, reference):
+    cmd = python_cmd(*MAX_STEPS, script=str(project / "recipe_mlp.py"))
+    whole = reference(cmd)
+    steps = [m["step"] for m in whole.metrics]
+    i = min(range(len(steps)), key=lambda i: whole.metrics[i]["eval_loss"])
+    best = steps[i]  # the best evaluation is neither the first nor the last, with a step free on either side
+    assert 0 < i < len(steps) - 1 and steps[i - 1] < best - 1 and steps[i + 1] > best + 1, whole.metrics
+    # Stopped one step before the best evaluation, then one step after it: a resumed run writes best.pt, and
+    # the next carries the best value on (no later evaluation beats it), across an epoch's end to --max-steps.
+    first = run(cmd, tmp_path, env=clean_env(STOP_SIGNAL="TERM", STOP_AT=best - 1), expect=75)
+    assert f"stopped by a signal at step {best - 1}:" in first.stdout, first
+    second = run(cmd, tmp_path, env=clean_env(STOP_SIGNAL="TERM", STOP_AT=2), expect=75)  # its own 2nd step
+    assert resumed_at(second.stdout)[1] == best - 1 and f"stopped by a signal at step {best + 1}:" in second.stdout
+    final = run(cmd, tmp_path)
+    assert resumed_at(final.stdout)[1] == best + 1, final
+    for name in ("model.pt", "best.pt"):
+        assert_same_weights(torch.load(final.out_dir / name, weights_only=True),
+                            torch.load(whole.out_dir / name, weights_only=True), exact=True)
+    assert ([(m["kind"], m["step"], m["eval_loss"]) for m in final.metrics] ==
+            [(m["kind"], m["step"], m["eval_loss"]) for m in whole.metrics])
+
+
+def test_a_stop_in_the_runs_last_step_finishes_the_run_with_its_last_record_and_evaluation(project, tmp_path,
+                                                                                           reference):
+    # Its checkpoint would hold step == total before the end-of-run record and evaluation: the run ends them.
+    cmd = python_cmd(*MAX_STEPS, script=str(project / "recipe_mlp.py"))
+    whole = reference(cmd)
+    first = run(cmd, tmp_path, env=clean_env(STOP_SIGNAL="TERM", STOP_AT=50))
+    assert "stopped by a signal" not in first.stdout and "saved " in first.stdout, first
+    assert ([(m["kind"], m["step"], m["eval_loss"]) for m in first.metrics] ==
+            [(m["kind"], m["step"], m["eval_loss"]) for m in whole.metrics]), first
+    for name in ("model.pt", "best.pt"):
+        assert_same_weights(torch.load(first.out_dir / name, weights_only=True),
+                            torch.load(whole.out_dir / name, weights_only=True), exact=True)
+    again = run(cmd, tmp_path)
+    assert "holds a finished run" in again.stdout and again.metrics == first.metrics, again
+
+
+# recipe_lr_log.py: the default task, 10 steps an epoch, an AdamW whose step() logs its two groups' lrs
+# (the weights at --lr, the biases at a quarter of it).
+LR_RUN = ["--num-samples", "320", "--eval-samples", "32", "--batch-size", "32", "--lr", "0.004", "--warmup-steps", "5"]
+
+
+def schedule_factor(schedule: str, s: int, total: int, warmup: int) -> float:
+    """The lr multiplier of step s (0-based: the steps done before it), as --help describes it."""
+    if s < warmup:
+        return (s + 1) / warmup
+    if schedule == "wsd":  # constant, then linear to 0 over the last fifth of the run
+        return min(1.0, (total - s) / (0.2 * total))
+    done = (s - warmup) / (total - warmup)
+    return {"cosine": 0.5 * (1 + math.cos(math.pi * done)), "linear": 1 - done, "constant": 1.0}[schedule]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant", "wsd"])
+def test_every_step_gives_each_parameter_group_its_own_lr_times_the_schedule_and_a_longer_run_follows_the_new_total(
+        project, tmp_path, schedule):
+    script, logged = str(project / "recipe_lr_log.py"), []
+    for total in (12, 30):  # 12 steps; then the same run made longer, resumed mid-epoch 2: 30 steps in all
+        log = tmp_path / f"lr{total}"
+        r = run(python_cmd(*LR_RUN, "--schedule", schedule, "--max-steps", str(total), script=script), tmp_path,
+                env=clean_env(LR_LOG=log))
+        logged += [json.loads(line) for line in log.read_text().splitlines()]
+    assert resumed_at(r.stdout) == (2, 12) and "the learning-rate schedule spans 30 steps" in r.stdout, r
+    expected = [[0.004 * f, 0.001 * f] for f in [schedule_factor(schedule, s, 12, 5) for s in range(12)] +
+                [schedule_factor(schedule, s, 30, 5) for s in range(12, 30)]]
+    assert len(logged) == 30
+    for s, (got, want) in enumerate(zip(logged, expected)):
+        assert got == pytest.approx(want, rel=1e-12, abs=0), f"step {s}: {got} != {want}"
+
+
+@pytest.mark.parametrize("odd, launch", [("none", ["--spawn", "2"]), ("twice", [])], ids=["none-spawn2", "twice"])
+def test_a_build_optimizer_that_leaves_out_or_repeats_parameters_is_one_line_naming_them(project, tmp_path, odd,
+                                                                                          launch):
+    r = run(python_cmd("--epochs", "1", *launch, script=str(project / "recipe_odd_optimizer.py")), tmp_path,
+            env=clean_env(ODD=odd), expect=2)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r
+    assert lines[0] == ("ddp_train.py: error: build_optimizer must give every trainable parameter to exactly one "
+                        "optimizer; 2 are in none or in several: 8.weight, 8.bias"), r
+    assert not (tmp_path / "out" / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("keep_best", ["eval_nosuch", "eval_loss:lowest"])
+def test_keep_best_of_a_figure_the_evaluation_lacks_is_one_line_listing_the_figures(tmp_path, keep_best):
+    r = run(python_cmd(*SMALL, "--keep-best", keep_best), tmp_path, expect=2)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r
+    assert lines[0].startswith(f"ddp_train.py: error: --keep-best {keep_best}: name one of the evaluation's figures "
+                               "(eval_loss, eval_accuracy, eval_samples)"), r
+    assert not (tmp_path / "out" / "best.pt").exists() and not (tmp_path / "out" / "checkpoint.pt").exists()
+
+
+# ---------------------------------------------------------------------------
 # A reference you can read: the lesson first, its DDP lines tagged, the README pointing at them
 # ---------------------------------------------------------------------------
 
