@@ -22,6 +22,8 @@ TORCH_PIN := torch==2.13.0
 NUMPY_PIN := numpy==2.4.6
 PYTEST_PIN := pytest==9.0.3
 XDIST_PIN := pytest-xdist==3.8.0
+# The tests read --tensorboard's curves with TensorBoard's own reader; ddp_train.py itself needs only torch.
+TENSORBOARD_PIN := tensorboard==2.20.0
 # Multi-node settings, passed to run_multi_node.sh (see its header).
 NNODES ?= 2
 NODE_RANK ?= 0
@@ -36,7 +38,7 @@ gpus = $(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/
 help:  ## these targets, one line each
 	@awk -F':.*## ' '/^[a-z%-]+:.*## / {sub("%", "N", $$1); printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-setup: $(VENV)/.ready  ## create .venv: the pinned CPU torch, numpy, pytest and pytest-xdist, unless present
+setup: $(VENV)/.ready  ## create .venv: the pinned CPU torch, numpy, pytest, pytest-xdist and tensorboard, unless present
 
 $(VENV)/.ready: Makefile
 	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -44,6 +46,7 @@ $(VENV)/.ready: Makefile
 	@$(PY) -c "import numpy" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check $(NUMPY_PIN)
 	@$(PY) -c "import pytest" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check $(PYTEST_PIN)
 	@$(PY) -c "import xdist" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check $(XDIST_PIN)
+	@$(PY) -c "import tensorboard" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check $(TENSORBOARD_PIN)
 	@$(PY) -c "import torch; print('torch', torch.__version__, 'ready in $(VENV)')"
 	@touch $@
 

@@ -506,13 +506,15 @@ class Progress:
     loss_sum: float = 0.0  # the current epoch's global train-loss sum and its count so far,
     samples: int = 0  # ... and samples trained, so that a resumed epoch still logs the exact means
     count: float = 0.0
+    max_norm: float | None = None  # the epoch's largest gradient norm so far (before clipping)
+    skipped: int = 0  # fp16: the epoch's steps that the GradScaler skipped
     best: float | None = None  # --keep-best: the best evaluation so far
 
     def step_done(self, samples: int):
         self.step, self.step_in_epoch, self.samples = self.step + 1, self.step_in_epoch + 1, self.samples + samples
 
-    def next_epoch(self):
-        self.epoch, self.step_in_epoch, self.loss_sum, self.samples, self.count = self.epoch + 1, 0, 0.0, 0, 0.0
+    def next_epoch(self):  # the epoch's own fields back to their defaults
+        self.__dict__.update(Progress(epoch=self.epoch + 1, step=self.step, best=self.best).__dict__)
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -1435,11 +1437,11 @@ class EpochStats:
     def __init__(self, ctx: DistContext, amp: str, loader: Loader | None = None):
         self.ctx, self.fp16, self.loader, self.waits = ctx, amp == "fp16", loader, [0.0] * ctx.world_size
         self.step_losses, self.norms, self.count, self.current = [], [], 0, None
-        self.max_norm, self.last_norm, self.skipped, self.first_step_at = None, None, 0, None
+        self.last_norm, self.first_step_at = None, None
         self.loop_started, self.first_step, self.zero = time.perf_counter(), None, torch.zeros((), device=ctx.device)
 
     def start_epoch(self, progress: Progress) -> None:
-        self.started, self.max_norm, self.skipped = time.perf_counter(), None, 0
+        self.started = time.perf_counter()
         self.samples_before, self.count_before = progress.samples, progress.count
         self.line = (self.started, progress.samples, progress.count, progress.loss_sum, self.waits)  # for log_progress
         self.epoch_waits = self.waits
@@ -1476,22 +1478,22 @@ class EpochStats:
         if bad:
             diverged(f"the training loss is {losses[bad[0]]} at step {first + bad[0]}", self.ctx)
         if self.norms:  # the norms of the all-reduced gradient: the same on every rank
-            self.fold_norms(torch.stack(self.norms), first)
+            self.fold_norms(torch.stack(self.norms), first, progress)
         progress.loss_sum += loss_sum
         progress.count += count
         check_count_unit(progress.count, progress.samples, self.ctx)  # the plan's samples scaled the gradients
         self.step_losses, self.norms, self.count = [], [], 0
 
-    def fold_norms(self, norms: torch.Tensor, first: int) -> None:
+    def fold_norms(self, norms: torch.Tensor, first: int, progress: Progress) -> None:
         finite = norms.isfinite()
         if not self.fp16 and not finite.all():
             bad = int((~finite).nonzero()[0])
             diverged(f"the gradient norm is {float(norms[bad])} at step {first + bad}", self.ctx)
         if finite.any():
-            self.max_norm = max(self.max_norm or 0.0, float(norms[finite].max()))
+            progress.max_norm = max(progress.max_norm or 0.0, float(norms[finite].max()))
         self.last_norm = float(norms[-1])  # the last step's, for the progress record
         if self.fp16:
-            self.skipped += int((~finite).sum())
+            progress.skipped += int((~finite).sum())
 
     def log_progress(self, progress: Progress, job: Job) -> None:
         """Rank 0: a progress record, with the loss and throughput since the last one (or the epoch's start),
@@ -1534,10 +1536,10 @@ class EpochStats:
             record["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**20
         if COUNT_UNIT != "samples":  # tokens: train_tokens
             record[f"train_{COUNT_UNIT}"] = whole(progress.count)
-        if self.max_norm is not None:
-            record["grad_norm_max"] = self.max_norm  # the largest before clipping, over the epoch's steps
+        if progress.max_norm is not None:
+            record["grad_norm_max"] = progress.max_norm  # the largest before clipping, over the epoch's steps
         if self.fp16:
-            record["skipped_steps"] = self.skipped  # by the GradScaler: their gradients overflowed
+            record["skipped_steps"] = progress.skipped  # by the GradScaler: their gradients overflowed
         if job.flops_per_sample:
             record["flops_per_sample"] = job.flops_per_sample  # training FLOPs (forward + backward)
         return record

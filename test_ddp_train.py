@@ -1051,7 +1051,8 @@ def test_ddp_buckets_follow_the_order_gradients_really_arrive_in(project, tmp_pa
 # ---------------------------------------------------------------------------
 
 PROGRESS = re.compile(r"^  epoch +(\d+)/(\d+)  step +([\d,]+)/([\d,]+) \( *([\d.]+)%\)  train_loss ([\d.]+) +([\d,]+) "
-                      r"samples/s(?: +([\d,]+) tokens/s)?  lr \S+  elapsed (\d+):(\d\d):(\d\d)  ETA (\d+):(\d\d):(\d\d)$", re.M)
+                      r"samples/s(?: +([\d,]+) tokens/s)?  (?:data wait +\d+%|rank \d+ waits for data \d+% of the time "
+                      r"\(median \d+%\))  lr \S+  elapsed (\d+):(\d\d):(\d\d)  ETA (\d+):(\d\d):(\d\d)$", re.M)
 
 
 def seconds(h, m, s) -> int:
@@ -2221,3 +2222,404 @@ def test_nccl_two_gpus_match_single_gpu_global_batch(tmp_path):
     one = run(python_cmd(*SMALL, "--batch-size", 64), tmp_path, out="one")
     for k, v in two.weights.items():
         assert torch.allclose(v, one.weights[k], rtol=1e-3, atol=1e-4)  # TF32 and reduction order
+
+
+# ---------------------------------------------------------------------------
+# Your recipe: --ema, --tensorboard and report(), read back from what real runs leave: model_ema.pt,
+# TensorBoard's event files (with TensorBoard's own reader) and the records a report() of yours receives
+# ---------------------------------------------------------------------------
+
+import shutil  # noqa: E402 (this section's own)
+
+from conftest import shared  # noqa: E402
+
+# Scripts of a user's, written into a test's tmp_path; ddp_train comes from PYTHONPATH=ROOT.
+RECIPE_SCRIPTS = {
+    # The default task with a tripwire: at its STOP_AT-th training forward (ddp_train's passes over the
+    # first batch before training do not count: with one micro-batch a step, the STOP_AT-th step) the
+    # process sends itself STOP_SIGNAL: TERM (a scheduler's stop) or KILL (a hard kill, nothing saved).
+    "stop_at.py": """
+import os
+import signal
+import sys
+import ddp_train
+
+default_model = ddp_train.build_model
+forwards = 0
+
+
+def before_training():  # ddp_train's passes over the first batch: count_flops, warm_up
+    frame = sys._getframe()
+    while frame and frame.f_code.co_name not in ("count_flops", "warm_up"):
+        frame = frame.f_back
+    return frame is not None
+
+
+def tripwire(module, inputs):
+    global forwards
+    if not module.training or before_training():
+        return
+    forwards += 1
+    if forwards == int(os.environ.get("STOP_AT", 0)):
+        os.kill(os.getpid(), getattr(signal, "SIG" + os.environ["STOP_SIGNAL"]))
+
+
+def build_model(args):
+    model = default_model(args)
+    model.register_forward_pre_hook(tripwire)
+    return model
+
+
+ddp_train.build_model = build_model
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # report() of a user's: every record it gets, as a JSON line (with the process id), into REPORT_TO.RANK.
+    "reporter.py": """
+import json
+import os
+import sys
+import ddp_train
+
+
+def report(record):
+    with open(f"{os.environ['REPORT_TO']}.{os.environ.get('RANK', '0')}", "a") as f:
+        f.write(json.dumps({**record, "pid": os.getpid()}) + "\\n")
+
+
+ddp_train.report = report
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # A machine without TensorBoard: every import of tensorboard fails as a missing package does.
+    "no_tensorboard.py": """
+import importlib.abc
+import sys
+
+
+class NoTensorBoard(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "tensorboard" or name.startswith("tensorboard."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NoTensorBoard())
+import ddp_train  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+}
+
+
+def recipe_script(directory: Path, name: str) -> Path:
+    path = directory / name
+    path.write_text(RECIPE_SCRIPTS[name].lstrip())
+    return path
+
+
+def f32(x: float) -> float:
+    """x as TensorBoard stores a scalar: a float32."""
+    return torch.tensor(x, dtype=torch.float64).float().item()
+
+
+def tensorboard_scalars(out_dir: Path, purge: bool = True) -> dict[str, list[tuple[int, float]]]:
+    """OUT_DIR/tensorboard as TensorBoard's own reader loads it: {tag: [(step, value), ...]} in the order
+    read. purge (TensorBoard's default): what it shows, a restart's SessionLog START dropping the events at
+    and after its step; without: every event the files hold."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
+                                      reason="TensorBoard's reader: make setup installs the pinned tensorboard")
+    acc = accumulator.EventAccumulator(str(out_dir / "tensorboard"), size_guidance={accumulator.SCALARS: 0},
+                                       purge_orphaned_data=purge).Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def records_as_scalars(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """The curves that records make: each number but the step (the axis) and the epoch as KIND/NAME at the
+    record's step, as float32."""
+    curves = {}
+    for record in records:
+        for name, value in record.items():
+            if isinstance(value, (int, float)) and name not in ("step", "epoch"):
+                curves.setdefault(f"{record['kind']}/{name}", []).append((record["step"], f32(value)))
+    return curves
+
+
+def flat(weights: dict) -> torch.Tensor:
+    return torch.cat([t.detach().double().flatten() for t in weights.values()])
+
+
+# ------ --ema: the average of the weights, evaluated, saved, and resumed -------------------------------
+
+# A short run from --init-from weights: the default task 20 steps (evaluated every 5), tinylm 12 steps over
+# 2 epochs of 48 functions (every 4). A constant learning rate, so that a run one step longer is the same run
+# plus one step.
+EMA_RUNS = {"default-task": (["--num-samples", 1000, "--eval-samples", 301, "--batch-size", 32, "--schedule",
+                               "constant", "--max-steps", 20, "--eval-every", 5], 20, [5, 10, 15], [20]),
+            "tinylm": (["--batch-size", 8, "--schedule", "constant", "--max-steps", 12, "--eval-every", 4], 12,
+                       [4, 8], [6, 12])}
+EMA_LR = 1e-3  # both tasks' default --lr
+
+
+@pytest.fixture(scope="session")
+def ema_inits(tmp_path_factory) -> dict[str, Path]:
+    """{task: a model.pt of initial weights}, other than any --seed's own, for --init-from."""
+    with shared(tmp_path_factory, "ema-inits") as d:
+        if not (d / "tinylm.pt").exists():
+            torch.manual_seed(1234)
+            torch.save(ddp_train.build_model(default_args()).state_dict(), d / "default-task.pt")
+            task = {name: getattr(ddp_train, name) for name in ("build_datasets", "build_model", "collate_fn",
+                                                                 "compute_loss", "COUNT_UNIT")}
+            with pytest.MonkeyPatch.context() as mp:
+                mp.syspath_prepend(str(ROOT / "examples"))
+                import tinylm
+            for name, value in task.items():  # importing tinylm plugs it into ddp_train: undone
+                setattr(ddp_train, name, value)
+            torch.save(tinylm.build_model(default_args()).state_dict(), d / "tinylm.pt")
+    return {task: d / f"{task}.pt" for task in EMA_RUNS}
+
+
+def ema_cmd(task: str, project: Path, init: Path, *args, script=SCRIPT):
+    if task == "tinylm":
+        return lm_cmd(project, "python", *EMA_RUNS[task][0], "--init-from", init, *args)
+    return python_cmd(*EMA_RUNS[task][0], "--init-from", init, *args, script=script)
+
+
+def ema_env(task: str) -> dict:
+    return dict(LM_EXACT) if task == "tinylm" else {}
+
+
+def eval_loss_of(task: str, weights: dict, request) -> float:
+    """The eval set's mean loss under these weights, computed here, in one batch."""
+    if task == "tinylm":
+        tinylm = request.getfixturevalue("tinylm")
+        tinylm.TRAIN_SIZE, tinylm.EVAL_SIZE = LM_EXACT["LM_TRAIN_SIZE"], LM_EXACT["LM_EVAL_SIZE"]
+        _, eval_set = tinylm.build_datasets(default_args())
+        batch, model, loss = tinylm.collate_fn(list(eval_set)), tinylm.build_model(default_args()), tinylm.compute_loss
+    else:
+        _, eval_set = ddp_train.build_datasets(default_args("--num-samples", "1000", "--eval-samples", "301"))
+        batch, model, loss = eval_set.tensors, ddp_train.build_model(default_args()), ddp_train.compute_loss
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        loss_sum, count, _ = loss(model.eval(), batch)
+    return float(loss_sum) / float(count)
+
+
+@pytest.mark.parametrize("task", list(EMA_RUNS))
+def test_ema_0_9999_stays_within_one_step_of_the_init_from_weights_and_ema_0_5_follows_them_update_by_update(
+        project, tmp_path, reference, ema_inits, request, task):
+    _, steps, eval_steps, epoch_steps = EMA_RUNS[task]
+    init, env = torch.load(ema_inits[task], weights_only=True), ema_env(task)
+    slow = reference(ema_cmd(task, project, ema_inits[task], "--ema", "0.9999"), **env)
+    # --ema 0.5 one step longer, with a checkpoint at step `steps`: checkpoint.prev.pt, the step before the last.
+    fast = run(ema_cmd(task, project, ema_inits[task], "--ema", "0.5", "--max-steps", steps + 1, "--save-every", steps),
+               tmp_path, env=clean_env(**env))
+    before = torch.load(fast.out_dir / "checkpoint.prev.pt", weights_only=True)
+    assert before["progress"]["step"] == steps and int(before["ema"]["n_averaged"]) == steps  # one update a step
+    ema_before = {k.removeprefix("module."): v for k, v in before["ema"].items() if k.startswith("module.")}
+    slow_ema, fast_ema = (torch.load(r.out_dir / "model_ema.pt", weights_only=True) for r in (slow, fast))
+    assert slow_ema.keys() == slow.weights.keys()  # plain names: build_model() loads model_ema.pt as it is
+    assert_same_weights(before["model"], slow.weights, exact=True)  # the average never feeds back into training
+    # 0.9999: the average starts at the weights after step 1 (torch's AveragedModel copies its first
+    # update), one AdamW step from the start, at most lr an element (plus a weight decay of lr x 0.01 x w);
+    # the later steps weigh 1 - 0.9999^steps < 0.2% together. The weights themselves travel far further.
+    moved, kept = flat(slow.weights) - flat(init), flat(slow_ema) - flat(init)
+    assert moved.abs().max() > 10 * EMA_LR, moved.abs().max()
+    assert kept.abs().max() <= 1.05 * EMA_LR, f"model_ema.pt is {kept.abs().max():.3g} from the start (lr {EMA_LR})"
+    assert kept.norm() < 0.25 * moved.norm(), (kept.norm(), moved.norm())
+    # 0.5: the average trails the weights by about one step, where 0.9999's is the whole way behind.
+    lag, behind = flat(ema_before) - flat(before["model"]), flat(slow_ema) - flat(slow.weights)
+    assert lag.abs().max() <= 2 * EMA_LR and lag.norm() < 0.1 * behind.norm(), (lag.norm(), behind.norm())
+    # The last update: ema <- 0.5 ema + 0.5 weights, the weights after that step's optimizer step (model.pt).
+    for k, weights in fast.weights.items():
+        assert (fast_ema[k] - (0.5 * ema_before[k] + 0.5 * weights)).abs().max() <= 1e-6, k
+    assert (flat(fast_ema) - flat(ema_before)).abs().max() > 1e-4  # and that update did move it
+    # Every evaluation also evaluates the average, as eval_ema_*: the final figures are those of the files.
+    assert [m["step"] for m in slow.metrics if m["kind"] == "eval"] == eval_steps, slow.metrics
+    assert [m["step"] for m in slow.metrics if m["kind"] == "epoch"] == epoch_steps, slow.metrics
+    for r, ema in (slow, slow_ema), (fast, fast_ema):
+        for m in r.metrics:
+            assert {"eval_loss", "eval_accuracy", "eval_ema_loss", "eval_ema_accuracy"} <= m.keys(), m
+        assert r.metrics[-1]["eval_loss"] == pytest.approx(eval_loss_of(task, r.weights, request), rel=1e-5)
+        assert r.metrics[-1]["eval_ema_loss"] == pytest.approx(eval_loss_of(task, ema, request), rel=1e-5)
+    assert slow.metrics[-1]["eval_ema_loss"] != pytest.approx(slow.metrics[-1]["eval_loss"], rel=1e-3)
+
+
+# Where each task's run is stopped: the default task mid-epoch 1 (step 7 of 32), tinylm in epoch 2 (step 2 of 6).
+EMA_STOPS = {"default-task": (7, (7, 7)), "tinylm": (8, (2, 8))}
+
+
+@pytest.mark.parametrize("task", list(EMA_RUNS))
+def test_ema_stopped_by_sigterm_resumes_bit_identical_average_and_eval_ema_figures(project, tmp_path, reference,
+                                                                                   ema_inits, task):
+    env = ema_env(task)
+    expected = reference(ema_cmd(task, project, ema_inits[task], "--ema", "0.9999"), **env)
+    script = recipe_script(tmp_path, "stop_at.py")  # tinylm: lm.py's own tripwire (stopper.py's)
+    cmd = ema_cmd(task, project, ema_inits[task], "--ema", "0.9999", script=script)
+    stop_at, resumed = EMA_STOPS[task]
+    stopped = run(cmd, tmp_path, env=clean_env(**env, PYTHONPATH=ROOT, STOP_SIGNAL="TERM", STOP_AT=stop_at),
+                  expect=75)
+    assert f"stopped by a signal at step {stop_at}:" in stopped.stdout, stopped
+    assert not (stopped.out_dir / "model_ema.pt").exists()
+    # The checkpoint carries the average and its count of updates, one a step.
+    saved = torch.load(stopped.out_dir / "checkpoint.pt", weights_only=True)["ema"]
+    assert int(saved["n_averaged"]) == stop_at
+    again = run(cmd, tmp_path, env=clean_env(**env, PYTHONPATH=ROOT))
+    assert resumed_at(again.stdout) == resumed, again
+    assert_same_weights(again.weights, expected.weights, exact=True)
+    assert_same_weights(torch.load(again.out_dir / "model_ema.pt", weights_only=True),
+                        torch.load(expected.out_dir / "model_ema.pt", weights_only=True), exact=True)
+    assert [(m["kind"], m["step"]) for m in again.metrics] == [(m["kind"], m["step"]) for m in expected.metrics]
+    for a, b in zip(again.metrics, expected.metrics):
+        assert (a["eval_loss"], a["eval_ema_loss"]) == (b["eval_loss"], b["eval_ema_loss"]), (a, b)
+
+
+def test_an_epoch_resumed_mid_way_records_the_largest_gradient_norm_of_all_its_steps(project, tmp_path, reference,
+                                                                                     ema_inits):
+    # tinylm's gradient norm is largest in its first steps: stopped at step 3 of 6, the resumed epoch 1 has
+    # trained steps 4 to 6 only since the resume.
+    env = ema_env("tinylm")
+    expected = reference(ema_cmd("tinylm", project, ema_inits["tinylm"], "--ema", "0.9999"), **env)
+    cmd = ema_cmd("tinylm", project, ema_inits["tinylm"], "--ema", "0.9999")
+    run(cmd, tmp_path, env=clean_env(**env, STOP_SIGNAL="TERM", STOP_AT=3), expect=75)
+    again = run(cmd, tmp_path, env=clean_env(**env))
+    assert resumed_at(again.stdout) == (3, 3), again
+    assert_same_weights(again.weights, expected.weights, exact=True)
+    epochs = [(a, b) for a, b in zip(again.metrics, expected.metrics) if a["kind"] == "epoch"]
+    assert [(a["step"], a["train_loss"]) for a, _ in epochs] == [(b["step"], b["train_loss"]) for _, b in epochs]
+    assert [a["grad_norm_max"] for a, _ in epochs] == [b["grad_norm_max"] for _, b in epochs]  # measured: 2.17 != 8.81
+
+
+# ------ --tensorboard: every record as KIND/NAME at its step, each step once after a resume -------------
+
+# 2 epochs of 32 steps, a progress record at every step (--log-seconds of a nanosecond), an evaluation every
+# 10 steps (10, 20, 30, 40, 50, 60), a checkpoint every 10.
+TB = ["--num-samples", 1000, "--eval-samples", 301, "--epochs", 2, "--batch-size", 32, "--eval-every", 10,
+      "--log-seconds", 1e-9, "--save-every", 10, "--tensorboard"]
+TB_STEPS = list(range(1, 65))
+# The curves that are the same in every run of TB (not those of the clock: rates, times, memory).
+TB_EXACT = ["progress/train_loss", "progress/lr", "progress/grad_norm", "epoch/train_loss", "epoch/eval_loss",
+            "epoch/eval_accuracy", "epoch/lr", "epoch/train_samples", "eval/eval_loss", "eval/eval_accuracy"]
+
+
+def test_tensorboard_holds_every_record_as_kind_slash_name_at_its_step(tmp_path, reference):
+    r = reference(python_cmd(*TB))
+    scalars = tensorboard_scalars(r.out_dir)
+    # Epochs and evaluations: metrics.jsonl's numbers, the same (as float32) at the same steps, and no others.
+    logged = records_as_scalars(r.metrics)
+    assert {t: v for t, v in scalars.items() if not t.startswith("progress/")} == logged
+    assert [s for s, _ in scalars["epoch/train_loss"]] == [32, 64]
+    assert [s for s, _ in scalars["eval/eval_loss"]] == [10, 20, 30, 40, 50, 60]
+    assert {"epoch/eval_loss", "epoch/grad_norm_max", "eval/eval_accuracy"} <= scalars.keys()
+    # Progress records, one a step: at the step just trained, its learning rate (the cosine over 64 steps
+    # at the step's start), its loss and gradient norm, which add up to the epochs' figures.
+    progress = {t.split("/", 1)[1]: v for t, v in scalars.items() if t.startswith("progress/")}
+    for name in ("train_loss", "lr", "grad_norm", "samples_per_sec", "elapsed_s", "eta_s"):
+        assert [s for s, _ in progress[name]] == TB_STEPS, name
+    factor = [0.5 * (1 + math.cos(math.pi * (s - 1) / 64)) for s in TB_STEPS]
+    assert [v for _, v in progress["lr"]] == pytest.approx([1e-3 * f for f in factor], rel=1e-6)
+    assert all(v > 0 for _, v in progress["samples_per_sec"])
+    sizes = [min(32, 1000 - 32 * ((s - 1) % 32)) for s in TB_STEPS]  # each epoch's last step: 8 samples
+    for epoch, m in enumerate(m for m in r.metrics if m["kind"] == "epoch"):
+        mine = slice(32 * epoch, 32 * (epoch + 1))
+        assert max(v for _, v in progress["grad_norm"][mine]) == f32(m["grad_norm_max"])
+        losses = [v * n for (_, v), n in zip(progress["train_loss"][mine], sizes[mine])]
+        assert sum(losses) / sum(sizes[mine]) == pytest.approx(m["train_loss"], rel=1e-6)
+
+
+def test_tensorboard_after_a_sigterm_a_hard_kill_and_reruns_shows_each_step_once_with_the_uninterrupted_values(
+        tmp_path, reference):
+    expected = tensorboard_scalars(reference(python_cmd(*TB)).out_dir)
+    cmd = python_cmd(*TB, script=recipe_script(tmp_path, "stop_at.py"))
+    # Stopped by SIGTERM at step 20 (its checkpoint); resumed, and killed at step 27, 6 progress records after
+    # the last checkpoint (step 20 still: --save-every 10); resumed again, to the end.
+    stopped = run(cmd, tmp_path, out="out", name="stopped",
+                  env=clean_env(PYTHONPATH=ROOT, STOP_SIGNAL="TERM", STOP_AT=20), expect=75)
+    assert "stopped by a signal at step 20:" in stopped.stdout, stopped
+    killed = run(cmd, tmp_path, out="out", name="killed", env=clean_env(PYTHONPATH=ROOT, STOP_SIGNAL="KILL", STOP_AT=7),
+                 expect=-signal.SIGKILL)
+    assert resumed_at(killed.stdout) == (20, 20) and "step 26/64" in killed.stdout, killed
+    again = run(cmd, tmp_path, env=clean_env(PYTHONPATH=ROOT))
+    assert resumed_at(again.stdout) == (20, 20), again
+    # On disk, the last run wrote again the steps that the killed one had logged after the checkpoint.
+    written = [s for s, _ in tensorboard_scalars(again.out_dir, purge=False)["progress/train_loss"]]
+    assert sorted(s for s in set(written) if written.count(s) > 1) == list(range(21, 27)), written
+    # TensorBoard shows each step once, the last run's: those of the run that was never stopped.
+    shown = tensorboard_scalars(again.out_dir)
+    assert shown.keys() == expected.keys()
+    for tag, values in shown.items():
+        assert [s for s, _ in values] == [s for s, _ in expected[tag]], tag
+    for tag in TB_EXACT:
+        assert shown[tag] == expected[tag], tag
+    assert [s for s, _ in shown["progress/train_loss"]] == TB_STEPS
+
+
+def test_tensorboard_of_a_run_started_over_with_resume_never_shows_the_new_run_alone(tmp_path, reference):
+    # The old run's event files stay in OUT_DIR/tensorboard; the new run (another seed) starts at step 1.
+    shutil.copytree(reference(python_cmd(*TB)).out_dir, tmp_path / "out")
+    new = run(python_cmd(*TB, "--seed", 1, "--resume", "never"), tmp_path)
+    assert "resumed" not in new.stdout
+    written = tensorboard_scalars(new.out_dir, purge=False)
+    assert [s for s, _ in written["epoch/eval_loss"]] == [32, 64, 32, 64]  # both runs' events are on disk
+    shown = tensorboard_scalars(new.out_dir)
+    assert {t: v for t, v in shown.items() if not t.startswith("progress/")} == records_as_scalars(new.metrics)
+    for tag, values in shown.items():
+        if tag.startswith("progress/"):
+            assert [s for s, _ in values] == TB_STEPS, tag
+    assert shown["epoch/eval_loss"] != written["epoch/eval_loss"][:2]  # the old run's values are gone
+
+
+def test_tensorboard_without_the_package_is_one_line_saying_how_to_install_it_and_all_else_needs_only_torch(tmp_path):
+    # An import finder refuses tensorboard in the training process, as on a machine without it.
+    cmd, env = python_cmd(*SMALL, script=recipe_script(tmp_path, "no_tensorboard.py")), clean_env(PYTHONPATH=ROOT)
+    r = run([*cmd, "--tensorboard"], tmp_path, env=env, expect=2)
+    assert r.stderr.strip().splitlines() == ["ddp_train.py: error: --tensorboard needs TensorBoard: pip install "
+                                             "tensorboard"], r
+    assert "Traceback" not in r.stderr and not (r.out_dir / "checkpoint.pt").exists()
+    # The same run without --tensorboard trains, evaluates, averages and saves: nothing else imports it.
+    r = run([*cmd, "--max-steps", 3, "--ema", "0.9"], tmp_path, out="plain", env=env)
+    assert (r.out_dir / "model_ema.pt").exists() and not (r.out_dir / "tensorboard").exists(), r
+
+
+# ------ report(): rank 0 hands it every record, once ----------------------------------------------------
+
+REPORT = ["--num-samples", 1000, "--eval-samples", 301, "--epochs", 2, "--batch-size", 16, "--eval-every", 10,
+          "--log-seconds", 0.01]
+
+
+def test_report_of_a_users_script_gets_every_record_once_on_rank_0_alone(tmp_path):
+    # torchrun 2 x 16: 32 steps an epoch; a progress record at each of the ranks' votes (10 steps apart at most).
+    script = recipe_script(tmp_path, "reporter.py")
+    r = run(torchrun_cmd(2, *REPORT, script=script), tmp_path,
+            env=clean_env(PYTHONPATH=ROOT, REPORT_TO=tmp_path / "report"))
+    assert sorted(p.name for p in tmp_path.glob("report.*")) == ["report.0"]  # rank 1 never called it
+    records = [json.loads(line) for line in (tmp_path / "report.0").read_text().splitlines()]
+    assert len({record.pop("pid") for record in records}) == 1
+    assert all(record["kind"] in ("progress", "epoch", "eval") and isinstance(record["step"], int)
+               for record in records), records
+    steps = [record["step"] for record in records]
+    assert steps == sorted(steps) and steps[-1] == 64
+    # Every line of metrics.jsonl, each once, in order: the epochs' and the evaluations' records.
+    assert [record for record in records if record["kind"] != "progress"] == r.metrics
+    assert sum(m["kind"] == "eval" for m in r.metrics) == 6 and sum(m["kind"] == "epoch" for m in r.metrics) == 2
+    # And the progress lines the console shows, one record each, with their figures.
+    progress = [record for record in records if record["kind"] == "progress"]
+    shown = [int(line[2].replace(",", "")) for line in PROGRESS.findall(r.stdout)]
+    assert len(progress) >= 4 and [record["step"] for record in progress] == shown, (progress, r.stdout)
+    for record in progress:
+        assert {"epoch", "train_loss", "lr", "grad_norm", "samples_per_sec", "elapsed_s", "eta_s"} <= record.keys()
+
+
+# ------ make setup: the pinned TensorBoard for the tests, not a dependency of ddp_train.py ---------------
+
+
+@pytest.mark.fast
+def test_make_setup_installs_the_pinned_tensorboard_that_the_tests_read_curves_with(tmp_path):
+    env = clean_env(MAKEFLAGS=None, MAKELEVEL=None, MFLAGS=None)
+    r = subprocess.run(["make", "-n", "-s", "setup", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    py = tmp_path / "venv" / "bin" / "python"
+    line = f'{py} -c "import tensorboard" 2>/dev/null || {py} -m pip install -q --disable-pip-version-check ' \
+           f'tensorboard==2.20.0'
+    assert r.returncode == 0 and line in r.stdout.splitlines(), r.stdout + r.stderr
