@@ -56,7 +56,7 @@ train: setup  ## one process: the CPU or one GPU
 	  --out-dir $(out_dir) $(wordlist 3,$(words $(ARGS)),$(ARGS)),--out-dir $(out_dir) $(ARGS))
 
 train-cpu: setup  ## two CPU processes with torchrun and gloo, even on a GPU machine
-	CUDA_VISIBLE_DEVICES= $(TORCHRUN) --nproc_per_node=2 $(SCRIPT) --backend gloo --out-dir $(out_dir) $(ARGS)
+	CUDA_VISIBLE_DEVICES= $(TORCHRUN) --nproc_per_node=2 $(SCRIPT) --out-dir $(out_dir) $(ARGS)
 
 train-%gpu: setup  ## torchrun with one process per GPU: make train-2gpu, make train-4gpu, make train-8gpu ...
 	@test "$(gpus)" -ge "$*" 2>/dev/null || { echo "make $@: needs $* GPUs; this machine has $(gpus)" >&2; exit 2; }

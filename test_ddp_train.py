@@ -177,7 +177,7 @@ def test_make_train_then_train_cpu_then_train_again_each_target_continues_its_ow
     dry = lambda *a: subprocess.run(["make", "-n", "-s", *a], cwd=repo, capture_output=True, text=True, timeout=60,
                                     env=clean_env(MAKEFLAGS=None, MAKELEVEL=None, MFLAGS=None)).stdout.rstrip()
     assert dry("train-cpu", "SCRIPT=examples/digits.py", "ARGS=--out-dir mine").endswith(
-        " examples/digits.py --backend gloo --out-dir out/train-cpu/digits --out-dir mine")
+        " examples/digits.py --out-dir out/train-cpu/digits --out-dir mine")
     assert dry("train", "ARGS=--gpu 1 --out-dir mine").endswith(
         "./run_single.sh --gpu 1 --out-dir out/train/ddp_train --out-dir mine")
     assert dry("train-multinode").endswith("./run_multi_node.sh --out-dir out/train-multinode/ddp_train")
