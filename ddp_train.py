@@ -1173,9 +1173,9 @@ def mix_seed(*parts: int) -> int:
 
 def check_datasets(train_set: Dataset, eval_set: Dataset | None, args, ctx: DistContext) -> None:
     """Map-style Datasets, and the same on every rank: every rank built its own, so a cheap check
-    that they agree (their lengths). An eval set, where --keep-best needs one."""
-    if args.keep_best and eval_set is None:
-        fail(f"--keep-best {args.keep_best}: there is no eval set to evaluate", ctx=ctx)
+    that they agree (their lengths). An eval set, where --keep-best or --eval-every needs one."""
+    if (args.keep_best or args.eval_every) and eval_set is None:
+        fail(f"{'--keep-best' if args.keep_best else '--eval-every'}: there is no eval set to evaluate", ctx=ctx)
     for name, data in (("train", train_set), ("eval", eval_set)):
         if isinstance(data, IterableDataset) or (data is not None and not hasattr(data, "__getitem__")):
             fail(f"build_datasets returned an IterableDataset ({type(data).__name__}) as the {name} set: {PROG} needs "

@@ -802,7 +802,8 @@ def test_default_run_learns(tmp_path):
     (["--timeout", "0"], "--timeout: must be greater than 0"),
     (["--max-steps", "0"], "--max-steps: must be at least 1"),
     (["--ema", "1.5"], "--ema 1.5: the decay is below 1"),
-    (["--keep-best", "eval_loss", "--eval-samples", "0"], "--keep-best eval_loss: there is no eval set"),
+    (["--keep-best", "eval_loss", "--eval-samples", "0"], "--keep-best: there is no eval set"),
+    (["--eval-every", "5", "--eval-samples", "0"], "--eval-every: there is no eval set"),
     (["--schedule", "step"], "--schedule: invalid choice"),
 ])
 def test_bad_input_exits_with_one_clear_line(tmp_path, argv, says):
