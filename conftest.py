@@ -1188,6 +1188,105 @@ ddp_train.build_optimizer = build_optimizer
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
+    # digits.py with rank STALL_RANK (default 1) stuck for good (an hour's sleep) at the STALL_AT-th call of
+    # STALL_IN: compute_loss (in training), getitem (the samples of one loading process, a DataLoader worker's),
+    # collate (collate_fn, in training), backward (a gradient hook of the user's, in training) or fsync (of
+    # checkpoint.pt's writes, before the rename: a filesystem that stopped answering). ddp_train's passes over
+    # the first batch before training do not count (but as getitem's samples). It touches STALL_FILE as it
+    # gets stuck; first launches only (not after a torchrun restart). STALL_MODEL=plain: no BatchNorm, Dropout.
+    "stall_stuck.py": """
+import os
+import sys
+import time
+import torch
+import ddp_train
+import digits
+import stopper  # for its before_training()
+
+STUCK = (os.environ.get("RANK", "0") == os.environ.get("STALL_RANK", "1")
+         and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
+PLACE, AT = os.environ.get("STALL_IN", "compute_loss"), int(os.environ.get("STALL_AT", 8))
+calls = 0
+default_loss, fsync = ddp_train.compute_loss, os.fsync
+
+
+def due(place):  # this call is the one to get stuck at
+    global calls
+    if not STUCK or PLACE != place:
+        return False
+    calls += 1
+    if calls == AT:
+        open(os.environ["STALL_FILE"], "w").close()
+    return calls == AT
+
+
+def compute_loss(model, batch):
+    if model.training and not stopper.before_training() and due("compute_loss"):
+        time.sleep(3600)  # stuck in compute_loss
+    return default_loss(model, batch)
+
+
+class Stuck(digits.Digits):
+    def __getitem__(self, i):
+        if due("getitem"):
+            time.sleep(3600)  # stuck in __getitem__
+        return super().__getitem__(i)
+
+
+def build_datasets(args):
+    train_set, eval_set = digits.build_datasets(args)
+    return Stuck(train_set.images, train_set.labels, augment=True), eval_set
+
+
+def collate_fn(items):
+    if not stopper.before_training() and due("collate"):
+        time.sleep(3600)  # stuck in collate_fn
+    return torch.utils.data.default_collate(items)
+
+
+def gradient_hook(grad):
+    if not stopper.before_training() and due("backward"):
+        time.sleep(3600)  # stuck in a gradient hook
+    return grad
+
+
+def build_model(args):  # STALL_MODEL=plain: without BatchNorm, whose buffers DDP broadcasts in every forward
+    model = digits.build_model(args)
+    if os.environ.get("STALL_MODEL") == "plain":
+        model = torch.nn.Sequential(*(m for m in model if not isinstance(m, (torch.nn.BatchNorm2d, torch.nn.Dropout))))
+    model[-1].weight.register_hook(gradient_hook)
+    return model
+
+
+def stuck_fsync(fd):
+    if os.readlink(f"/proc/self/fd/{fd}").endswith("checkpoint.pt.tmp") and due("fsync"):
+        time.sleep(3600)  # stuck in fsync
+    fsync(fd)
+
+
+ddp_train.compute_loss, ddp_train.build_datasets, ddp_train.collate_fn = compute_loss, build_datasets, collate_fn
+ddp_train.build_model, os.fsync = build_model, stuck_fsync
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # Every rank says on stderr, once, the debug level torch.distributed runs at.
+    "stall_debug.py": """
+import os
+import sys
+import torch.distributed as dist
+import ddp_train
+import digits
+
+
+def build_model(args):
+    print(f"rank {os.environ.get('RANK', 0)}: debug level {dist.get_debug_level().name}", file=sys.stderr, flush=True)
+    return digits.build_model(args)
+
+
+ddp_train.build_model = build_model
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
 }
 
 

@@ -542,8 +542,7 @@ class RankRNG:
 
 
 class Optimizers(list):
-    """build_optimizer's optimizer, or list of them, as one stateful part. Every trainable parameter must
-    be in exactly one: each step's gradient mean, norm and clipping cover the model's parameters."""
+    """build_optimizer's optimizer(s) as one stateful part; every trainable parameter in exactly one of them."""
 
     def __init__(self, built, model: nn.Module, ctx: DistContext):
         super().__init__(built if isinstance(built, (list, tuple)) else [built])
@@ -786,9 +785,8 @@ class Agreement:
         self.logged_at = self.saved_at = time.monotonic()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handler)
-        self.step = 0  # the last finished optimizer step, which the watchdog reads
-        if args.stall_seconds:
-            threading.Thread(target=watchdog, args=(self, args, ctx), daemon=True).start()
+        self.step = 0  # the last finished optimizer step, which the watchdog (--stall-seconds) reads
+        threading.Thread(target=watchdog, args=(self, args, ctx), daemon=True).start()
 
     def _handler(self, signum, frame):
         # A launcher that forwards the terminal's Ctrl-C delivers it twice within moments: that is one.
@@ -865,8 +863,8 @@ def explain_failure(exc: BaseException, ctx: DistContext, agreement: Agreement) 
     while chained is not None:
         traceback.clear_frames(chained.__traceback__)
         chained = chained.__context__
-    # A collective failed because another rank is gone (gloo reports it as a RuntimeError).
-    lost_a_peer = isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
+    gloo = isinstance(exc, RuntimeError) and ("gloo" in str(exc) or "timeout" in str(exc))  # gloo's own errors
+    lost_a_peer = isinstance(exc, dist.DistError) or gloo  # a collective failed: a rank is gone, or hung past --timeout
     if isinstance(exc, KeyboardInterrupt) or (agreement.received == signal.SIGINT and lost_a_peer):
         log(ctx, f"{PROG}: stopped by a second Ctrl-C, without saving; rerun the same command to continue from "
                  "the last checkpoint", error=True)
@@ -885,18 +883,16 @@ def explain_failure(exc: BaseException, ctx: DistContext, agreement: Agreement) 
 
 # What a rank does: the innermost of these on its main thread's stack ("waiting": for the other ranks).
 PLACES = {"call_compute_loss": "in compute_loss", "batches": "loading data", "evaluate": "evaluating",
-          "atomic_save": "saving", "train_step": "waiting in backward: the gradient all-reduce",
-          "fold": "waiting in the loss all-reduce", "last_vote": "waiting in the vote",
-          "wait_for_rank0": "waiting for rank 0"}
+          "atomic_save": "saving", "train_step": "waiting in backward: the gradient all-reduce", "fold": "waiting in "
+          "the loss all-reduce", "last_vote": "waiting in the vote", "wait_for_rank0": "waiting for rank 0"}
 
 
 def watchdog(agreement: Agreement, args, ctx: DistContext) -> None:
-    """--stall-seconds S, a thread in every rank: after S seconds without an optimizer step, each rank writes
-    its threads' stacks to OUT_DIR/stall/rank{R}.txt and posts its last step and place to the process group's
-    TCP store, which answers when collectives do not; rank 0 prints one report. Nothing per step but the
-    step noted in decide(); the run goes on waiting, and fails by --timeout as before."""
+    """--stall-seconds S, a thread in every rank: S seconds without an optimizer step, each rank writes its
+    threads' stacks to OUT_DIR/stall/rank{R}.txt and posts its step and place to the process group's TCP store
+    (which answers when collectives do not); rank 0 prints one report. Nothing per step; the run waits on."""
     last, since = -1, time.monotonic()
-    while True:
+    while args.stall_seconds:  # (0: off)
         time.sleep(min(1.0, args.stall_seconds / 10))
         if agreement.step != last:
             last, since, reported = agreement.step, time.monotonic(), False
@@ -912,20 +908,25 @@ def report_stall(step: int, seconds: float, args, ctx: DistContext) -> None:
         faulthandler.dump_traceback(f, all_threads=True)
     stack = traceback.extract_stack(sys._current_frames()[threading.main_thread().ident])
     place = next((PLACES[f.name] for f in reversed(stack) if f.filename == __file__ and f.name in PLACES), "")
+    inner = stack[-1].filename  # your code innermost (a hook, a forward) is where it is; torch's collectives wait
+    if place.startswith("waiting") and not inner.startswith(os.path.dirname(torch.__file__)):
+        place = ""
+    elif any(part in inner for part in ("torch/distributed", "torch/nn/parallel")) and not place.startswith("waiting"):
+        place = f"waiting in a collective, {place}"
     where = f"{place or 'in ' + stack[-1].name} ({os.path.basename(stack[-1].filename)}:{stack[-1].lineno})"
     ranks = [{"rank": ctx.rank, "step": step, "place": where, "stacks": path}]
     if ctx.distributed:  # a client of the store that init_process_group used (env://)
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        keys = [f"ddp_train/stall/{attempt}/{step}/{r}" for r in range(ctx.world_size)]
+        prefix = f"ddp_train/stall/{os.environ.get('TORCHELASTIC_RESTART_COUNT')}/{step}"  # this attempt, this step
+        keys = [f"{prefix}/{r}" for r in range(ctx.world_size)]
         store.set(keys[ctx.rank], json.dumps(ranks[0]))
         if not ctx.is_main:
             return
         deadline = time.monotonic() + 15  # the others fire about when rank 0 does
         while not store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.5)
-        ranks = [json.loads(store.get(k)) if store.check([k]) else {"rank": r, "step": "?", "place": "no answer",
-                 "stacks": ""} for r, k in enumerate(keys)]
+        ranks = [json.loads(store.get(k)) if store.check([k]) else dict(rank=r, step="?", place="no answer", stacks="")
+                 for r, k in enumerate(keys)]
     ranks.sort(key=lambda r: r["place"].startswith("waiting"))  # the ones the others wait for first
     log(ctx, f"{PROG}: stall: no optimizer step for {seconds:.0f} s. Rank {ranks[0]['rank']} holds the others up: "
              f"{ranks[0]['place']}; its stacks: {ranks[0]['stacks']}\n"
@@ -1172,8 +1173,8 @@ def mix_seed(*parts: int) -> int:
 
 
 def check_datasets(train_set: Dataset, eval_set: Dataset | None, args, ctx: DistContext) -> None:
-    """Map-style Datasets, and the same on every rank: every rank built its own, so a cheap check
-    that they agree (their lengths). An eval set, where --keep-best or --eval-every needs one."""
+    """Map-style Datasets, the same on every rank (each built its own: a cheap check, their lengths), and an
+    eval set where --keep-best or --eval-every needs one."""
     if (args.keep_best or args.eval_every) and eval_set is None:
         fail(f"{'--keep-best' if args.keep_best else '--eval-every'}: there is no eval set to evaluate", ctx=ctx)
     for name, data in (("train", train_set), ("eval", eval_set)):
@@ -1334,23 +1335,23 @@ def cpus_per_process(affinity: int, local_world_size: int, launcher: str, slurm_
 
 
 def set_up_process(args, ctx: DistContext) -> None:
-    """Threads: this process's cores, unless the user chose (OMP_NUM_THREADS). --debug: the environment
-    torch's distributed debugging reads, before the process group starts: DDP's and c10d's checks
-    (TORCH_DISTRIBUTED_DEBUG=DETAIL: mismatched collectives, unused parameters by name), NCCL's log and
-    C++ stack traces; every rank but 0 writes its output (stderr) to OUT_DIR/debug/rank{R}.log."""
+    """Threads: this process's cores, unless the user chose (OMP_NUM_THREADS). --debug, before the process
+    group starts: DDP's and c10d's checks (TORCH_DISTRIBUTED_DEBUG: mismatched collectives, unused parameters
+    by name), NCCL's log, C++ stack traces; every rank but 0 writes its stderr to OUT_DIR/debug/rank{R}.log."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(process_cpus(ctx))
-    if args.debug:
-        os.environ.update(TORCH_DISTRIBUTED_DEBUG="DETAIL", TORCH_SHOW_CPP_STACKTRACES="1", NCCL_DEBUG="INFO")
+    if args.debug:  # DETAIL on gloo: torch 2.13's CPU build segfaults while building DDP (seen here); INFO works
+        level = "DETAIL" if torch.cuda.is_available() else "INFO"
+        os.environ.update(TORCH_DISTRIBUTED_DEBUG=level, TORCH_SHOW_CPP_STACKTRACES="1", NCCL_DEBUG="INFO")
         dist.set_debug_level_from_env()  # torch.distributed read the variable when it was imported
+        if ctx.rank:  # its stderr (fd 2, where C++ and NCCL log too) becomes the file
+            os.makedirs(debug := os.path.join(args.out_dir, "debug"), exist_ok=True)
+            os.dup2(os.open(os.path.join(debug, f"rank{ctx.rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     if torch.cuda.is_available():  # NCCL's flight recorder: the collectives in flight, dumped on a timeout
         os.makedirs(os.path.join(args.out_dir, "stall"), exist_ok=True)
         trace = os.path.join(args.out_dir, "stall", "nccl_trace_rank_")
         for name, value in (("TRACE_BUFFER_SIZE", "2000"), ("DUMP_ON_TIMEOUT", "1"), ("DEBUG_INFO_TEMP_FILE", trace)):
             os.environ.setdefault(f"TORCH_NCCL_{name}", value)
-        if ctx.rank:  # fd 2 becomes the file's (closing the file object leaves fd 2 open)
-            os.makedirs(os.path.join(args.out_dir, "debug"), exist_ok=True)
-            os.dup2(open(os.path.join(args.out_dir, "debug", f"rank{ctx.rank}.log"), "w").fileno(), 2)
 
 
 def spawn_workers(args) -> int:
@@ -1420,6 +1421,7 @@ def warm_up(job: Job) -> None:
         loss_sum.backward()
         check_every_parameter_got_a_gradient(job)
     check_count_unit(float(count), samples, job.ctx)
+    job.train_data.waited = 0.0  # training's waits for data only: not the first batch's loads, nor workers' start
     job.typical_count = float(count) if float(count) > 0 else 1.0
     if job.ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(job.ctx.device)  # peak_gpu_mem_mb: training's, not resuming's
@@ -1508,8 +1510,7 @@ class EpochStats:
                      "elapsed_s": time.monotonic() - STARTED, "eta_s": per_step * (job.total_steps - progress.step)})
 
     def rates(self, samples: int, count: float, seconds: float, job: Job, waits: list) -> dict:
-        """Throughput: samples/s, the count's (tokens/s), the training FLOP/s of each process, over its peak
-        (--peak-tflops) as MFU, and each rank's share of the time spent waiting for data (waits: at the start)."""
+        """samples/s, tokens/s, FLOP/s per process, MFU, and each rank's share of the time it waited for data."""
         rates = {"samples_per_sec": samples / seconds,
                  "data_wait_by_rank": [round((now - then) / seconds, 4) for now, then in zip(self.waits, waits)]}
         if COUNT_UNIT != "samples":
@@ -1702,8 +1703,7 @@ def evaluation(job: Job, progress: Progress) -> dict:
 
 
 def keep_best(figures: dict, job: Job, progress: Progress) -> None:
-    """--keep-best METRIC[:min|:max]: rank 0 writes best.pt (--ema's weights for an eval_ema_ metric) at
-    each evaluation that beats the best so far, which the checkpoint carries (progress.best)."""
+    """--keep-best METRIC[:min|:max]: best.pt (--ema's for eval_ema_*) at each evaluation that beats progress.best."""
     name, _, way = job.args.keep_best.partition(":")
     if name not in figures or way not in ("", "min", "max"):
         fail(f"--keep-best {job.args.keep_best}: name one of the evaluation's figures ({', '.join(figures)}), "

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import ddp_train
-from conftest import (CORES, FINAL_STATES, HAS_CUDA, PY, ROOT, RUN_MULTI, SCRIPT, Launch, Result,
+from conftest import (CORES, FINAL_STATES, HAS_CUDA, PY, ROOT, RUN_MULTI, SCRIPT, VARIANTS, Launch, Result,
                       assert_only_rank0_files, assert_same_run, assert_same_weights, clean_env, default_args,
                       edited_copy, finish, free_port, fresh_clone, last_line, node_env, python_cmd, resumed_at, run,
                       send, sh, start_nodes, torchrun_cmd, wait_for_checkpoint, worker_pids)
@@ -2624,3 +2625,250 @@ def test_make_setup_installs_the_pinned_tensorboard_that_the_tests_read_curves_w
     line = f'{py} -c "import tensorboard" 2>/dev/null || {py} -m pip install -q --disable-pip-version-check ' \
            f'tensorboard==2.20.0'
     assert r.returncode == 0 and line in r.stdout.splitlines(), r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------------------
+# When a run hangs or crawls: a stall report naming the rank the others wait for and where it is,
+# each rank's share of time waiting for data, --debug
+# ---------------------------------------------------------------------------
+
+STALL_REPORT = re.compile(r"^ddp_train\.py: stall: no optimizer step for (\d+) s\. Rank (\d+) holds the others up: "
+                          r"(.+); its stacks: (.*)\n((?:  rank \d+: last step .*\n?)+)", re.M)
+
+
+def stall_reports(stderr: str) -> list[dict]:
+    """Rank 0's stall reports: the rank it names, that rank's place and stacks' path, and each rank's
+    (last step, place) from the lines under it."""
+    return [{"seconds": int(m[1]), "rank": int(m[2]), "place": m[3], "stacks": m[4],
+             "ranks": {int(r): (step, place) for r, step, place in
+                       re.findall(r"^  rank (\d+): last step (\S+), (.+)$", m[5], re.M)}}
+            for m in STALL_REPORT.finditer(stderr)]
+
+
+def stuck_line(place: str) -> int:
+    """The line of stall_stuck.py where a rank gets stuck in `place` (its "# stuck in ..." comment)."""
+    lines = VARIANTS["stall_stuck.py"].lstrip().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.endswith(f"# stuck in {place}"))
+
+
+def process_tree(root: int) -> set[tuple[int, str]]:
+    """(pid, start time) of `root` and of every process under it, now."""
+    parents, started = {}, {}
+    for proc in Path("/proc").iterdir():
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            parents[int(proc.name)], started[int(proc.name)] = int(fields[1]), fields[19]
+        except (OSError, ValueError, IndexError):
+            continue
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid in started:
+            tree.add((pid, started[pid]))
+            todo += [child for child, parent in parents.items() if parent == pid]
+    return tree
+
+
+def still_running(processes: set[tuple[int, str]]) -> list[int]:
+    """Those of `processes` that still run: not gone, not a zombie, not a new process with the same pid."""
+    running = []
+    for pid, started in processes:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and fields[19] == started:
+            running.append(pid)
+    return running
+
+
+class StuckRun:
+    """torchrun 2 of stall_stuck.py on digits, one rank stuck as `env` says (STALL_IN, STALL_AT, STALL_RANK).
+    As a context manager: afterwards every process the job had when it got stuck is killed (torchrun starts
+    each worker in a session of its own, so killing torchrun's group would leave them running)."""
+
+    def __init__(self, project: Path, tmp_path: Path, *args, **env):
+        self.out, self.marker, self.processes = tmp_path / "out", tmp_path / "stuck", set()
+        cmd = torchrun_cmd(2, "--epochs", 2, "--batch-size", 16, *args, "--out-dir", self.out,
+                           script=str(project / "stall_stuck.py"))
+        self.launch = Launch(cmd, tmp_path, env=clean_env(STALL_FILE=self.marker, **env))
+
+    def wait_for_stall(self) -> float:
+        """When the rank got stuck; every process of the job is noted then (DataLoader workers too)."""
+        self.launch.wait_for(self.marker.exists, "a rank stuck", timeout=90)
+        stuck_at = time.monotonic()
+        self.processes = process_tree(self.launch.proc.pid)
+        assert len(self.processes) >= 3, self.processes  # torchrun and its two workers
+        return stuck_at
+
+    def wait_for_report(self, timeout=40) -> dict:
+        """Rank 0's first report of a stall after a step (not one of a slow start, before the first step)."""
+        def found():
+            reports = stall_reports(self.launch.stderr)
+            return [r for r in reports if r["ranks"].get(r["rank"], ("?",))[0] not in ("0", "?")]
+        self.launch.wait_for(found, "stall report", timeout=timeout)
+        return found()[0]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        send(still_running(self.processes | process_tree(self.launch.proc.pid)))
+        self.launch.kill()
+
+
+def test_a_rank_stuck_in_compute_loss_is_named_with_its_stacks_and_the_job_ends_by_itself(project, tmp_path):
+    # Rank 1 sleeps for good in the user's compute_loss at its 8th training step (a model without buffers:
+    # rank 0 waits in backward's gradient all-reduce). Rank 0 reports about 10 s later; at --timeout it
+    # stops with one line, and torchrun ends rank 1, deaf to SIGTERM, 30 s after that (its fixed shutdown).
+    with StuckRun(project, tmp_path, "--stall-seconds", 10, "--timeout", 20,
+                  STALL_IN="compute_loss", STALL_AT=8, STALL_MODEL="plain") as job:
+        stuck_at = job.wait_for_stall()
+        report = job.wait_for_report()
+        assert 9 <= time.monotonic() - stuck_at <= 40, report
+        code = job.launch.wait(90)
+        ended_at = time.monotonic()
+        left = still_running(job.processes)
+    r = Result.of(job.launch, job.out)
+    line = stuck_line("compute_loss")
+    assert report["rank"] == 1 and report["place"] == f"in compute_loss (stall_stuck.py:{line})", r
+    assert report["ranks"] == {1: ("7", report["place"]), 0: ("7", report["ranks"][0][1])}, r
+    assert report["ranks"][0][1].startswith("waiting in backward: the gradient all-reduce"), r
+    assert 10 <= report["seconds"] <= 40, r
+    stacks = job.out / "stall" / "rank1.txt"
+    assert report["stacks"] == str(stacks), r
+    # faulthandler's dump of every thread: the main one stuck on the sleep's line of compute_loss, under
+    # ddp_train's call of it; the report's own thread.
+    dump = stacks.read_text()
+    assert f'File "{project / "stall_stuck.py"}", line {line} in compute_loss\n' \
+           f'  File "{project / "ddp_train.py"}", line ' in dump, dump
+    assert " in call_compute_loss\n" in dump and " in report_stall\n" in dump, dump
+    assert (job.out / "stall" / "rank0.txt").exists()
+    # The end: on its own, non-zero, rank 0's one line naming a hang, and nothing left running.
+    assert code != 0 and ended_at - stuck_at < 85, r
+    assert "rank 0 lost contact with another process (it crashed, hung past --timeout" in r.stderr, r
+    assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
+
+
+# Where a rank gets stuck (STALL_IN of stall_stuck.py), and what the report says: the stuck rank, the start of
+# its place, the other rank's place, and what the stuck rank's stacks show (a pattern); a model without buffers
+# (the test after it has one with some).
+STALLS = {
+    # Rank 1's Dataset, in one of its 2 DataLoader workers at that worker's 160th sample, sleeps for good; its
+    # training process waits for the batch. The job ends by itself (--timeout), the sleeping worker with it.
+    "dataloader-worker": (dict(STALL_IN="getitem", STALL_AT=160), ["--workers", 2],
+                          1, "loading data (", "waiting in backward: the gradient all-reduce",
+                          r'line \d+ in __next__\n  File "[^"]+/ddp_train\.py", line \d+ in batches\n'),
+    # Rank 1 never reaches the step's all-reduce: its collate_fn, in the training process, sleeps.
+    "collate_fn": (dict(STALL_IN="collate", STALL_AT=8), ["--workers", 0],
+                   1, f"loading data (stall_stuck.py:{stuck_line('collate_fn')})",
+                   "waiting in backward: the gradient all-reduce",
+                   rf'stall_stuck\.py", line {stuck_line("collate_fn")} in collate_fn\n'),
+    # Rank 0's second write of checkpoint.pt (--save-every 5) hangs in fsync (a filesystem that stopped
+    # answering); rank 1 waits for it, patiently: a slow save must not look like a dead peer.
+    "checkpoint-write": (dict(STALL_IN="fsync", STALL_AT=2, STALL_RANK=0), ["--save-every", 5],
+                         0, f"saving (stall_stuck.py:{stuck_line('fsync')})", "waiting for rank 0",
+                         rf'stall_stuck\.py", line {stuck_line("fsync")} in stuck_fsync\n'
+                         r'  File "[^"]+/ddp_train\.py", line \d+ in atomic_save\n'),
+}
+
+
+@pytest.mark.parametrize("case", list(STALLS))
+def test_the_stall_report_names_the_stuck_rank_and_its_place(project, tmp_path, case):
+    env, args, stuck_rank, place, others, dumped = STALLS[case]
+    with StuckRun(project, tmp_path, "--stall-seconds", 5, "--timeout", 12, *args, STALL_MODEL="plain", **env) as job:
+        stuck_at = job.wait_for_stall()
+        report = job.wait_for_report(timeout=30)
+        assert time.monotonic() - stuck_at <= 30, report
+        if case == "dataloader-worker":
+            code = job.launch.wait(90)
+            left = still_running(job.processes)
+    r = Result.of(job.launch, job.out)
+    assert report["rank"] == stuck_rank and report["place"].startswith(place), r
+    assert report["stacks"] == str(job.out / "stall" / f"rank{stuck_rank}.txt"), r
+    assert sorted(report["ranks"]) == [0, 1] and report["ranks"][stuck_rank][1] == report["place"], r
+    assert report["ranks"][1 - stuck_rank][1].startswith(others), r
+    assert report["ranks"][0][0] == report["ranks"][1][0], r  # the same last step
+    dumps = [(job.out / "stall" / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert all(" in report_stall\n" in dump for dump in dumps), dumps  # every thread's stack, on each rank
+    assert re.search(dumped, dumps[stuck_rank]), dumps[stuck_rank]
+    if case == "dataloader-worker":
+        assert code != 0 and "hung past --timeout" in r.stderr, r
+        assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
+
+
+@pytest.mark.parametrize("stuck_in, model, where", [("compute_loss", "digits", "compute_loss"),
+                                                    ("backward", "plain", "a gradient hook")],
+                         ids=["compute_loss-batchnorm", "gradient-hook"])
+def test_the_stuck_rank_is_named_also_where_the_others_wait_in_the_same_function(project, tmp_path, stuck_in, model,
+                                                                                 where):
+    # Rank 1 sleeps in compute_loss with digits' BatchNorm model (rank 0 waits in DDP's forward, broadcasting
+    # the buffers: inside compute_loss too); or in a gradient hook of the user's (rank 0 waits in backward).
+    with StuckRun(project, tmp_path, "--stall-seconds", 5, "--timeout", 30, STALL_IN=stuck_in, STALL_AT=8,
+                  STALL_MODEL=model) as job:
+        job.wait_for_stall()
+        report = job.wait_for_report(timeout=30)
+    r = Result.of(job.launch, job.out)
+    assert report["rank"] == 1 and f"(stall_stuck.py:{stuck_line(where)})" in report["place"], r
+
+
+WAIT_SHARES = re.compile(r"  (?:rank (\d+) waits for data (\d+)% of the time \(median (\d+)%\)|data wait +(\d+)%)  ")
+
+
+def wait_shares(stdout: str) -> list[tuple]:
+    """(rank named or None, its share, the median share) in %, of each progress line and epoch line."""
+    shares = [WAIT_SHARES.search(line) for line in stdout.splitlines() if line.lstrip().startswith("epoch ")]
+    assert all(shares), stdout
+    return [(int(m[1]), int(m[2]), int(m[3])) if m[1] else (None, int(m[4]), int(m[4])) for m in shares]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_rank_with_slow_data_is_named_by_its_share_of_time_waiting_for_it(project, tmp_path, workers):
+    # Rank 1's Dataset takes 3 ms a sample (slow.py reads RANK, which DataLoader workers inherit), rank 0's
+    # none: rank 1 waits for its batches (with 2 workers, less), rank 0 for rank 1, in the all-reduce.
+    r = run(torchrun_cmd(2, "--epochs", 1, "--batch-size", 16, "--log-seconds", 0.3, "--workers", workers,
+                         script=str(project / "slow.py")), tmp_path, env=clean_env(SLOW_RANKS=1, SLOW_MS=3))
+    [epoch] = r.metrics
+    waits = epoch["data_wait_by_rank"]
+    assert len(waits) == 2 and waits[1] > 0.4 and waits[0] < waits[1] / 3, epoch
+    shares = wait_shares(r.stdout)
+    assert len(shares) >= 3, r.stdout  # progress lines, and the epoch's
+    assert {rank for rank, _, _ in shares} == {1}, r.stdout  # each line names rank 1, none rank 0
+    rank, share, median = shares[-1]  # the epoch's line: its record's figures
+    assert rank == 1 and abs(share - 100 * waits[1]) <= 1 and abs(median - 100 * waits[0]) <= 1, (shares, epoch)
+
+
+def test_data_wait_shares_are_shares_of_the_time_at_most_100_percent(project, tmp_path):
+    r = run(torchrun_cmd(2, "--epochs", 1, "--batch-size", 16, "--log-seconds", 0.3, "--workers", 2,
+                         script=str(project / "slow.py")), tmp_path, env=clean_env(SLOW_RANKS=1, SLOW_MS=3))
+    shares = wait_shares(r.stdout)
+    assert len(shares) >= 2 and all(share <= 100 for _, share, _ in shares), r.stdout
+    assert all(0 <= share <= 1 for share in r.metrics[0]["data_wait_by_rank"]), r.metrics
+
+
+def test_debug_turns_on_torchs_distributed_debugging_and_puts_the_other_ranks_output_in_the_out_dir(project, tmp_path):
+    # stall_debug.py: every rank prints torch.distributed's debug level to its stderr, once.
+    cmd = torchrun_cmd(2, "--epochs", 1, "--batch-size", 64, script=str(project / "stall_debug.py"))
+    env = clean_env(TORCH_DISTRIBUTED_DEBUG=None, TORCH_CPP_LOG_LEVEL=None)
+    plain = run(cmd, tmp_path, out="plain", env=env)
+    assert "rank 0: debug level OFF" in plain.stderr and "rank 1: debug level OFF" in plain.stderr, plain
+    assert not (plain.out_dir / "debug").exists(), plain  # without --debug, every rank's output on the console
+    r = run([*cmd, "--debug"], tmp_path, out="debug", env=env)
+    level = "DETAIL" if HAS_CUDA else "INFO"  # DETAIL makes torch 2.13's CPU build crash while building DDP
+    assert f"rank 0: debug level {level}" in r.stderr and "rank 1:" not in r.stderr, r
+    assert sorted(p.name for p in (r.out_dir / "debug").iterdir()) == ["rank1.log"], r
+    assert f"rank 1: debug level {level}" in (r.out_dir / "debug" / "rank1.log").read_text(), r
+    assert "epoch   1/1" in r.stdout and r.stdout.count("saved ") == 1, r  # rank 0's console as ever
+
+
+def test_a_peer_hung_past_the_timeout_while_ddp_broadcasts_buffers_is_one_line(monkeypatch, capsys):
+    # What rank 0 gets (torch 2.13, gloo) in most runs where its peer hangs while DDP's forward broadcasts
+    # BatchNorm buffers (the compute_loss-batchnorm case above, with a short --timeout); in the others, a
+    # recv timeout whose message names gloo.
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    ctx = ddp_train.DistContext(rank=0, world_size=2, distributed=True)
+    timed_out = RuntimeError("Application timeout caused pair closure")
+    with pytest.raises(SystemExit) as stop:
+        ddp_train.explain_failure(timed_out, ctx, types.SimpleNamespace(received=0))
+    assert stop.value.code == 1
+    assert "error: rank 0 lost contact with another process (it crashed, hung past --timeout" in capsys.readouterr().err
