@@ -2392,7 +2392,7 @@ def ema_env(task: str) -> dict:
     return dict(LM_EXACT) if task == "tinylm" else {}
 
 
-def eval_loss_of(task: str, weights: dict, request) -> float:
+def task_eval_loss_of(task: str, weights: dict, request) -> float:
     """The eval set's mean loss under these weights, computed here, in one batch."""
     if task == "tinylm":
         tinylm = request.getfixturevalue("tinylm")
@@ -2443,8 +2443,8 @@ def test_ema_0_9999_stays_within_one_step_of_the_init_from_weights_and_ema_0_5_f
     for r, ema in (slow, slow_ema), (fast, fast_ema):
         for m in r.metrics:
             assert {"eval_loss", "eval_accuracy", "eval_ema_loss", "eval_ema_accuracy"} <= m.keys(), m
-        assert r.metrics[-1]["eval_loss"] == pytest.approx(eval_loss_of(task, r.weights, request), rel=1e-5)
-        assert r.metrics[-1]["eval_ema_loss"] == pytest.approx(eval_loss_of(task, ema, request), rel=1e-5)
+        assert r.metrics[-1]["eval_loss"] == pytest.approx(task_eval_loss_of(task, r.weights, request), rel=1e-5)
+        assert r.metrics[-1]["eval_ema_loss"] == pytest.approx(task_eval_loss_of(task, ema, request), rel=1e-5)
     assert slow.metrics[-1]["eval_ema_loss"] != pytest.approx(slow.metrics[-1]["eval_loss"], rel=1e-3)
 
 
