@@ -21,6 +21,7 @@ each classic trap "Trap:"; then, after a divider, the machinery, one section per
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -353,8 +354,8 @@ def evaluate(model: nn.Module, data: Loader, args, ctx: DistContext) -> dict:
             loss_sum, n, metric_sums = call_compute_loss(model, batch, ctx)
         for name, value in {"loss": loss_sum, "count": n, **metric_sums}.items():
             sums[name] = sums.get(name, 0) + (value.detach().double() if torch.is_tensor(value) else value)
-    gathered = everyone({name: float(value) for name, value in sums.items()}, ctx)  # DDP: all ranks' sums
-    totals = {name: sum(g.get(name, 0.0) for g in gathered) for g in gathered for name in g}  # (a rank may lack some)
+    gathered = everyone({name: float(value) for name, value in sums.items()}, ctx)  # DDP: all ranks' (some lack names)
+    totals = {n: sum(g.get(n, 0.0) for g in gathered) for n in dict.fromkeys(k for g in gathered for k in g)}
     model.train()
     samples, count = int(totals.pop("samples")), totals.pop("count", 0.0)
     return {**{f"eval_{name}": value / count for name, value in totals.items()}, "eval_samples": samples,
@@ -546,8 +547,8 @@ class Optimizers(list):
 
     def __init__(self, built, model: nn.Module, ctx: DistContext):
         super().__init__(built if isinstance(built, (list, tuple)) else [built])
-        owners = [id(p) for optimizer in self for group in optimizer.param_groups for p in group["params"]]
-        odd = [name for name, p in model.named_parameters() if p.requires_grad and owners.count(id(p)) != 1]
+        owners = collections.Counter(id(p) for opt in self for group in opt.param_groups for p in group["params"])
+        odd = [name for name, p in model.named_parameters() if p.requires_grad and owners[id(p)] != 1]
         if odd:
             fail(f"build_optimizer must give every trainable parameter to exactly one optimizer; {len(odd)} are in "
                  f"none or in several: {', '.join(odd[:5])}{', ...' if len(odd) > 5 else ''}", ctx=ctx)
@@ -579,8 +580,7 @@ class Checkpoints:
             os.makedirs(args.out_dir, exist_ok=True)
 
     def resume(self, state: dict, steps_per_epoch: int, total_steps: int) -> bool:
-        """Load the checkpoint to continue from, if any, into every stateful part. False where the run it
-        holds is finished: there is nothing to train, and model.pt is written again from it."""
+        """Load the checkpoint, if any, into every stateful part; False: a finished run (model.pt written again)."""
         found, progress = load_checkpoint(self.args, self.ctx), state["progress"]
         if found:
             ckpt, path = found

@@ -2237,45 +2237,6 @@ from conftest import shared  # noqa: E402
 
 # Scripts of a user's, written into a test's tmp_path; ddp_train comes from PYTHONPATH=ROOT.
 RECIPE_SCRIPTS = {
-    # The default task with a tripwire: at its STOP_AT-th training forward (ddp_train's passes over the
-    # first batch before training do not count: with one micro-batch a step, the STOP_AT-th step) the
-    # process sends itself STOP_SIGNAL: TERM (a scheduler's stop) or KILL (a hard kill, nothing saved).
-    "stop_at.py": """
-import os
-import signal
-import sys
-import ddp_train
-
-default_model = ddp_train.build_model
-forwards = 0
-
-
-def before_training():  # ddp_train's passes over the first batch: count_flops, warm_up
-    frame = sys._getframe()
-    while frame and frame.f_code.co_name not in ("count_flops", "warm_up"):
-        frame = frame.f_back
-    return frame is not None
-
-
-def tripwire(module, inputs):
-    global forwards
-    if not module.training or before_training():
-        return
-    forwards += 1
-    if forwards == int(os.environ.get("STOP_AT", 0)):
-        os.kill(os.getpid(), getattr(signal, "SIG" + os.environ["STOP_SIGNAL"]))
-
-
-def build_model(args):
-    model = default_model(args)
-    model.register_forward_pre_hook(tripwire)
-    return model
-
-
-ddp_train.build_model = build_model
-if __name__ == "__main__":
-    sys.exit(ddp_train.main())
-""",
     # report() of a user's: every record it gets, as a JSON line (with the process id), into REPORT_TO.RANK.
     "reporter.py": """
 import json
@@ -2457,7 +2418,7 @@ def test_ema_stopped_by_sigterm_resumes_bit_identical_average_and_eval_ema_figur
                                                                                    ema_inits, task):
     env = ema_env(task)
     expected = reference(ema_cmd(task, project, ema_inits[task], "--ema", "0.9999"), **env)
-    script = recipe_script(tmp_path, "stop_at.py")  # tinylm: lm.py's own tripwire (stopper.py's)
+    script = str(project / "recipe_mlp.py")  # stopper.py's tripwire (tinylm: lm.py has it too)
     cmd = ema_cmd(task, project, ema_inits[task], "--ema", "0.9999", script=script)
     stop_at, resumed = EMA_STOPS[task]
     stopped = run(cmd, tmp_path, env=clean_env(**env, PYTHONPATH=ROOT, STOP_SIGNAL="TERM", STOP_AT=stop_at),
@@ -2531,9 +2492,9 @@ def test_tensorboard_holds_every_record_as_kind_slash_name_at_its_step(tmp_path,
 
 
 def test_tensorboard_after_a_sigterm_a_hard_kill_and_reruns_shows_each_step_once_with_the_uninterrupted_values(
-        tmp_path, reference):
+        project, tmp_path, reference):
     expected = tensorboard_scalars(reference(python_cmd(*TB)).out_dir)
-    cmd = python_cmd(*TB, script=recipe_script(tmp_path, "stop_at.py"))
+    cmd = python_cmd(*TB, script=str(project / "recipe_mlp.py"))  # the default task, stopper.py's tripwire
     # Stopped by SIGTERM at step 20 (its checkpoint); resumed, and killed at step 27, 6 progress records after
     # the last checkpoint (step 20 still: --save-every 10); resumed again, to the end.
     stopped = run(cmd, tmp_path, out="out", name="stopped",
