@@ -609,11 +609,9 @@ class Checkpoints:
         differences = [f"{key} {saved.get(key)} -> {value}" for key, value in self.config.items()
                        if saved.get(key) != value]
         if differences:
-            hint = (" (with another world size, keep batch-size x world size x grad-accum the same, or fix the "
-                    "global batch with --global-batch: an elastic run needs it)"
-                    if any(d.startswith("global_batch_size") for d in differences) else "")
-            fail(f"cannot resume from {path}: {', '.join(differences)}{hint}; rerun with the same settings, or "
-                 "start over with --resume never or another --out-dir", ctx=self.ctx)
+            fail(f"cannot resume from {path}: {', '.join(differences)}; rerun with the same settings (on another world "
+                 "size, --global-batch keeps the global batch), or start over with --resume never or another --out-dir",
+                 ctx=self.ctx)
 
     def save(self, job: Job) -> None:
         """All ranks: every stateful part's state (the RNG's gathers every rank's); rank 0 writes; everyone
@@ -660,7 +658,7 @@ def load_checkpoint(args, ctx: DistContext) -> tuple[dict, str] | None:
     elif not os.path.isfile(path):
         fail(f"--resume {path}: no such file", ctx=ctx)
     try:
-        ckpt = load_to_cpu(path, ctx)
+        ckpt = torch.load(path, **checkpoint_load_options(ctx.device.type, path))
     except Exception as exc:
         fail(f"{path} is unreadable ({one_line(exc)[:120]}): move it away, resume from the one before with "
              f"--resume {checkpoint_paths(args.out_dir)[1]}, or pass --resume never to start over", ctx=ctx)
@@ -670,30 +668,25 @@ def load_checkpoint(args, ctx: DistContext) -> tuple[dict, str] | None:
     return ckpt, path
 
 
-def load_to_cpu(path: str, ctx: DistContext) -> dict:
-    """A checkpoint's tensors on the CPU; load_state_dict then copies them into place."""
-    # Trap: map_location. Without it every rank loads onto the GPU that saved; with map_location=cuda
-    # each GPU holds the whole checkpoint beside the model until load_state_dict is done: OOM.
-    return torch.load(path, **checkpoint_load_options(ctx.device.type, path))
-
-
 def checkpoint_load_options(device_type: str, path: str) -> dict:
-    """Onto the CPU always; memory-mapped when training on GPUs: the ranks of a node then share the
-    file's pages instead of each reading a private copy, and load_state_dict moves each tensor to its
-    GPU. Not when training on the CPU: there Optimizer.load_state_dict keeps the loaded tensors as
-    they are (Tensor.to copies nothing), so AdamW's moments would stay in the mapping and hold the
-    whole file for the rest of the run; copying them out costs more at the peak than a plain read
-    (measured with a 426 MB checkpoint and 2 ranks: +136 MiB peak RSS a rank either way; the storage
-    reads are the same, once per node, as the page cache already shares the file). Trap: only torch's
-    zip format maps; a legacy file (torch.save(..., _use_new_zipfile_serialization=False), or torch < 1.6)
-    makes torch.load(mmap=True) raise (serialization.py), so it is read."""
+    """torch.load's options: onto the CPU always, and load_state_dict then copies the tensors into place. Trap:
+    map_location. Without it every rank loads onto the GPU that saved; with map_location=cuda each GPU holds the
+    whole checkpoint beside the model until load_state_dict is done: OOM. Memory-mapped when training on GPUs: the
+    ranks of a node then share the file's pages instead of each reading a private copy, and load_state_dict moves
+    each tensor to its GPU. Not when training on the CPU: there Optimizer.load_state_dict keeps the loaded tensors
+    as they are (Tensor.to copies nothing), so AdamW's moments would stay in the mapping and hold the whole file for
+    the rest of the run; copying them out costs more at the peak than a plain read (measured with a 426 MB
+    checkpoint and 2 ranks: +136 MiB peak RSS a rank either way; the storage reads are the same, once per node, as
+    the page cache already shares the file). Trap: only torch's zip format maps; a legacy file (torch.save(...,
+    _use_new_zipfile_serialization=False), or torch < 1.6) makes torch.load(mmap=True) raise (serialization.py), so
+    it is read."""
     return {"map_location": "cpu", "mmap": device_type != "cpu" and zipfile.is_zipfile(path), "weights_only": True}
 
 
 def init_weights(model: nn.Module, path: str, ctx: DistContext) -> None:
     """--init-from: a new run starts from saved weights (a model.pt, or a checkpoint's model)."""
     try:
-        saved = load_to_cpu(path, ctx)
+        saved = torch.load(path, **checkpoint_load_options(ctx.device.type, path))
     except Exception as exc:
         fail(f"--init-from {path}: cannot read it ({one_line(exc)[:120]})", ctx=ctx)
     if isinstance(saved, dict) and str(saved.get("format")).startswith("ddp_train.checkpoint/"):
@@ -869,11 +862,6 @@ def explain_failure(exc: BaseException, ctx: DistContext, agreement: Agreement) 
         log(ctx, f"{PROG}: stopped by a second Ctrl-C, without saving; rerun the same command to continue from "
                  "the last checkpoint", error=True)
         raise SystemExit(EXIT_INTERRUPTED) from None
-    if ctx.distributed and "Expected to have finished reduction" in str(exc):
-        # A parameter that got a gradient in the first step (warm_up checks that one) but none in a later one:
-        # DDP's reducer then still waits for it, and raises at the next forward on every rank, in a hundred lines.
-        fail("some parameters got no gradient in a step after the first; pass --find-unused-parameters if some "
-             "parameters sit out some steps (TORCH_DISTRIBUTED_DEBUG=INFO makes DDP name them)", ctx=ctx)
     if ctx.distributed and lost_a_peer:  # say what happened, not where we were waiting
         fail(f"rank {ctx.rank} lost contact with another process (it crashed, hung past --timeout, was killed, or its "
              f"node left the network); rerun to resume from the last checkpoint. The error: {one_line(exc)}", code=1)
@@ -922,9 +910,8 @@ def report_stall(step: int, seconds: float, args, ctx: DistContext) -> None:
         store.set(keys[ctx.rank], json.dumps(ranks[0]))
         if not ctx.is_main:
             return
-        deadline = time.monotonic() + 15  # the others fire about when rank 0 does
-        while not store.check(keys) and time.monotonic() < deadline:
-            time.sleep(0.5)
+        with contextlib.suppress(dist.DistError):  # the others fire about when rank 0 does
+            store.wait(keys, datetime.timedelta(seconds=15))
         ranks = [json.loads(store.get(k)) if store.check([k]) else dict(rank=r, step="?", place="no answer", stacks="")
                  for r, k in enumerate(keys)]
     ranks.sort(key=lambda r: r["place"].startswith("waiting"))  # the ones the others wait for first
@@ -1216,8 +1203,6 @@ def collate(items: list):
 
 def to_device(batch, device: torch.device):
     """Move a batch to the device: tensors, in any nesting of tuples, lists and dicts."""
-    if device.type == "cpu":
-        return batch
     if torch.is_tensor(batch):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
@@ -1370,9 +1355,6 @@ def spawn_workers(args) -> int:
             pass
     except mp.ProcessExitedException as exc:
         return exc.exit_code if exc.exit_code > 0 else 1
-    except mp.ProcessRaisedException as exc:
-        print(exc, file=sys.stderr)
-        return 1
     return 0
 
 
@@ -1813,18 +1795,16 @@ class Parser(argparse.ArgumentParser):
 
 
 def at_least(low, strict: bool = False):
-    """An argparse type: a number (an int if `low` is one) no smaller than `low` (strict: greater)."""
+    """An argparse type: a number (an int if `low` is one) no smaller than `low` (strict: greater). Text that is
+    no number gets argparse's own "invalid int value: 'abc'", which names the type by the function's name."""
 
     def parse(text):
-        try:
-            value = type(low)(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if type(low) is int else 'a number'}, got "
-                                             f"{text!r}") from None
+        value = type(low)(text)
         if not math.isfinite(value) or value < low or (strict and value == low):
             raise argparse.ArgumentTypeError(f"must be {'greater than' if strict else 'at least'} {low:g}, got {text}")
         return value
 
+    parse.__name__ = type(low).__name__
     return parse
 
 

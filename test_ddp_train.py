@@ -794,7 +794,7 @@ def test_default_run_learns(tmp_path):
 
 @pytest.mark.fast
 @pytest.mark.parametrize("argv, says", [
-    (["--epochs", "abc"], "--epochs: expected an integer"),
+    (["--epochs", "abc"], "--epochs: invalid int value: 'abc'"),
     (["--batch-size", "0"], "--batch-size: must be at least 1"),
     (["--amp", "fp8"], "--amp: invalid choice"),
     (["--lr", "nan"], "--lr: must be at least 0"),
@@ -986,7 +986,7 @@ def test_checkpoints_load_onto_the_cpu_memory_mapped_for_gpus_and_read_for_the_c
     # A legacy file cannot be memory-mapped (torch.load raises): it is read, on a GPU run too.
     assert ddp_train.checkpoint_load_options("cuda", legacy)["mmap"] is False
     for path in (zipped, legacy):
-        loaded = ddp_train.load_to_cpu(str(path), ddp_train.DistContext(device=torch.device("cuda", 0)))
+        loaded = torch.load(path, **ddp_train.checkpoint_load_options("cuda", str(path)))  # as a GPU run loads
         assert all(torch.equal(loaded[k], v) for k, v in weights.items())
     with pytest.raises(RuntimeError):  # negative control: what a GPU run did before
         torch.load(legacy, map_location="cpu", mmap=True, weights_only=True)
