@@ -1045,6 +1045,30 @@ ddp_train.build_datasets = build_datasets
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
+    # Rank 1's compute_loss takes SLOW_COMPUTE_MS longer in training, after its model's forward (a slow loss), on
+    # the project SLOW_PROJECT names: digits (BatchNorm) or lm (tinylm), each of which plugs itself in on import.
+    "slow_compute.py": """
+import importlib
+import os
+import sys
+import time
+import ddp_train
+
+importlib.import_module(os.environ.get("SLOW_PROJECT", "digits"))
+users_loss = ddp_train.compute_loss
+
+
+def compute_loss(model, batch):
+    out = users_loss(model, batch)
+    if model.training and os.environ["RANK"] == "1":
+        time.sleep(float(os.environ["SLOW_COMPUTE_MS"]) / 1000)
+    return out
+
+
+ddp_train.compute_loss = compute_loss
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
     # One process evaluates a saved model.pt over the whole eval set: python evaluate_saved.py MODEL ARGS...
     "evaluate_saved.py": """
 import json

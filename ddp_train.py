@@ -277,7 +277,7 @@ def wrap_model(model: nn.Module, args, ctx: DistContext) -> nn.Module:
 def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints) -> int:
     """Optimizer steps, epoch after epoch, to the run's total. All ranks run every line together; rank 0
     alone prints and writes."""
-    args, ctx, stats = job.args, job.ctx, EpochStats(job.ctx, job.args.amp, job.train_data)
+    args, ctx, stats = job.args, job.ctx, EpochStats(job.ctx, job.args.amp, job.train_data, job.model)
     while progress.step < job.total_steps:
         job.sampler.set_epoch(progress.epoch)  # Trap: without it every epoch repeats the same shuffle
         # DDP: this rank's samples of each step: its share of the step's global batch, as micro-batches.
@@ -323,11 +323,11 @@ def train_step(job: Job, data, n_micro: int, samples: int, stats: EpochStats) ->
         with contextlib.nullcontext() if last or not ctx.distributed else job.ddp_model.no_sync():
             with autocast(args, ctx):
                 loss_sum, n, _ = call_compute_loss(job.forward, next(data), ctx)
+            stats.add(loss_sum, n)  # this rank's sums; and its compute time, for the stragglers' figures
             count = count + n  # what this rank's losses sum over in this step: samples, tokens
             if last:
                 job.step_count.start(count, samples)  # DDP: the count over all ranks (tokens: summed now)
             job.scaler.scale(loss_sum / job.typical_count).backward()  # the sum: / the global count below
-        stats.add(loss_sum, n)
     if n_micro == 0:  # DDP: none of the step's samples are here, but every rank joins the all-reduces
         zero_gradient_backward(job.ddp_model, job.step_count, samples)
     stats.end_step(mean_gradients(job, job.step_count.total()))  # DDP: sums / the global count, then clipped
@@ -1416,25 +1416,38 @@ class EpochStats:
     """This rank's training loss sums, counts and gradient norms since the last fold, kept on the
     device (no host sync per step). fold() adds every rank's into the epoch's totals, and stops the
     run, on every rank, at the first non-finite loss or gradient norm. With fp16 a non-finite norm
-    is a step that the GradScaler skipped by design: those are counted, and kept out of the maximum."""
+    is a step that the GradScaler skipped by design: those are counted, and kept out of the maximum.
+    For the stragglers, each rank times its waits for data (the Loader) and its compute: from its model's forward
+    (after DDP's buffer broadcast) to compute_loss's end; not backward, whose all-reduce waits for the slowest rank."""
 
-    def __init__(self, ctx: DistContext, amp: str, loader: Loader | None = None):
-        self.ctx, self.fp16, self.loader, self.waits = ctx, amp == "fp16", loader, [0.0] * ctx.world_size
+    def __init__(self, ctx: DistContext, amp: str, loader: Loader | None = None, model: nn.Module | None = None):
+        self.ctx, self.fp16, self.loader, self.timing = ctx, amp == "fp16", loader, [0.0] * 2 * ctx.world_size
         self.step_losses, self.norms, self.count, self.current = [], [], 0, None
-        self.last_norm, self.first_step_at = None, None
+        self.last_norm, self.first_step_at, self.forward_at, self.computing, self.computed = None, None, None, [], 0.0
         self.loop_started, self.first_step, self.zero = time.perf_counter(), None, torch.zeros((), device=ctx.device)
+        if model is not None:
+            model.register_forward_pre_hook(self.forward_starts)
 
     def start_epoch(self, progress: Progress) -> None:
-        self.started = time.perf_counter()
-        self.samples_before, self.count_before = progress.samples, progress.count
-        self.line = (self.started, progress.samples, progress.count, progress.loss_sum, self.waits)  # for log_progress
-        self.epoch_waits = self.waits
+        # (time, samples, count, loss sum, timing) when the epoch began, and at the last progress line
+        self.began = self.line = (time.perf_counter(), progress.samples, progress.count, progress.loss_sum, self.timing)
         self.first_step = progress.step if self.first_step is None else self.first_step
+
+    def forward_starts(self, model: nn.Module, inputs) -> None:  # the model's forward pre-hook: compute starts
+        self.forward_at = self.stamp()
+
+    def stamp(self):
+        """Now: on CUDA an event recorded in the stream (read at the next fold: no sync in a step), else the clock."""
+        if self.ctx.device.type == "cuda":
+            return torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
+        return time.perf_counter()
 
     def add(self, loss_sum: torch.Tensor, count) -> None:
         loss = loss_sum.detach()
         self.current = loss if self.current is None else self.current + loss
         self.count = self.count + count
+        if self.forward_at is not None:  # this rank's compute: from its model's forward to the end of compute_loss
+            self.computing.append((self.forward_at, self.stamp()))
 
     def end_step(self, grad_norm: torch.Tensor) -> None:
         """grad_norm: the step's gradient norm before clipping (0-dim)."""
@@ -1448,15 +1461,19 @@ class EpochStats:
 
     def fold(self, progress: Progress) -> None:
         """All ranks: add the sums since the last fold into the epoch's global totals."""
+        world, cuda = self.ctx.world_size, self.ctx.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.ctx.device)  # the compute events, read now (the sums below wait for it anyway)
+        self.computed += sum(start.elapsed_time(end) / 1000 if cuda else end - start for start, end in self.computing)
         count = torch.as_tensor(self.count, dtype=torch.float64, device=self.ctx.device).reshape(1)
-        waits = torch.zeros(self.ctx.world_size, dtype=torch.float64, device=self.ctx.device)
-        waits[self.ctx.rank] = self.loader.waited if self.loader else 0.0  # its slot: the seconds it waited for data
+        timing = torch.zeros(2, world, dtype=torch.float64, device=self.ctx.device)  # its slots: waits, compute
+        timing[0, self.ctx.rank], timing[1, self.ctx.rank] = self.loader.waited if self.loader else 0.0, self.computed
         losses = torch.stack(self.step_losses).double().reshape(-1) if self.step_losses else count[:0]
-        sums = torch.cat([losses, count, waits])
+        sums = torch.cat([losses, count, timing.reshape(-1)])
         if self.ctx.distributed:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM)  # DDP: each step's loss sum, the count, each rank's wait
-        *losses, count = sums[: -self.ctx.world_size].tolist()
-        self.waits = sums[-self.ctx.world_size :].tolist()
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)  # DDP: each step's loss sum, the count, every rank's timing
+        *losses, count = sums[: -2 * world].tolist()
+        self.timing = sums[-2 * world :].tolist()
         loss_sum, first = sum(losses), progress.step - len(losses) + 1  # first: the step of the first entry
         bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
         if bad:
@@ -1466,7 +1483,7 @@ class EpochStats:
         progress.loss_sum += loss_sum
         progress.count += count
         check_count_unit(progress.count, progress.samples, self.ctx)  # the plan's samples scaled the gradients
-        self.step_losses, self.norms, self.count = [], [], 0
+        self.step_losses, self.norms, self.count, self.computing = [], [], 0, []
 
     def fold_norms(self, norms: torch.Tensor, first: int, progress: Progress) -> None:
         finite = norms.isfinite()
@@ -1482,19 +1499,20 @@ class EpochStats:
     def log_progress(self, progress: Progress, job: Job) -> None:
         """Rank 0: a progress record, with the loss and throughput since the last one (or the epoch's start),
         the time since launch and the time left, at the pace of this run's steps so far."""
-        now, (then, samples, count, loss, waits) = time.perf_counter(), self.line
-        self.line = (now, progress.samples, progress.count, progress.loss_sum, self.waits)
+        now, (then, samples, count, loss, timing) = time.perf_counter(), self.line
+        self.line = (now, progress.samples, progress.count, progress.loss_sum, self.timing)
         count, per_step = progress.count - count, (now - self.loop_started) / max(1, progress.step - self.first_step)
         job.records({"kind": "progress", "step": progress.step, "epoch": progress.epoch + 1,
                      "train_loss": (progress.loss_sum - loss) / count if count else None,
-                     **self.rates(progress.samples - samples, count, max(now - then, 1e-9), job, waits),
+                     **self.rates(progress.samples - samples, count, max(now - then, 1e-9), job, timing),
                      "lr": job.optimizers[0].param_groups[0]["lr"], "grad_norm": self.last_norm,
                      "elapsed_s": time.monotonic() - STARTED, "eta_s": per_step * (job.total_steps - progress.step)})
 
-    def rates(self, samples: int, count: float, seconds: float, job: Job, waits: list) -> dict:
-        """samples/s, tokens/s, FLOP/s per process, MFU, and each rank's share of the time it waited for data."""
-        rates = {"samples_per_sec": samples / seconds,
-                 "data_wait_by_rank": [round((now - then) / seconds, 4) for now, then in zip(self.waits, waits)]}
+    def rates(self, samples: int, count: float, seconds: float, job: Job, timing: list) -> dict:
+        """samples/s, tokens/s, FLOP/s per process, MFU, and each rank's shares of the time: data waits, compute."""
+        shares = [round((now - then) / seconds, 4) for now, then in zip(self.timing, timing)]
+        rates = {"samples_per_sec": samples / seconds, "data_wait_by_rank": shares[: self.ctx.world_size],
+                 "compute_by_rank": shares[self.ctx.world_size :]}
         if COUNT_UNIT != "samples":
             rates[f"{COUNT_UNIT}_per_sec"] = count / seconds
         if job.flops_per_sample:
@@ -1505,14 +1523,14 @@ class EpochStats:
 
     def epoch_record(self, progress: Progress, job: Job) -> dict:
         """The epoch's record, but for evaluation, at the end of its training."""
-        seconds = time.perf_counter() - self.started
+        then, samples, count, _, timing = self.began
+        seconds = time.perf_counter() - then
         job.agreement.logged_at = time.monotonic()  # the epoch's line is a sign of life: --log-seconds counts from here
         record = {"kind": "epoch", "epoch": progress.epoch + 1, "step": progress.step,
                   "train_loss": progress.loss_sum / progress.count if progress.count else None, "eval_loss": None,
                   "eval_samples": 0, "train_samples": progress.samples, "world_size": self.ctx.world_size,
                   "effective_batch_size": job.global_batch, "lr": job.optimizers[0].param_groups[0]["lr"],
-                  **self.rates(progress.samples - self.samples_before, progress.count - self.count_before, seconds,
-                               job, self.epoch_waits),
+                  **self.rates(progress.samples - samples, progress.count - count, seconds, job, timing),
                   "epoch_time_s": seconds, "first_step_at": self.first_step_at,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
         if self.ctx.device.type == "cuda":  # peak GPU memory
@@ -1596,10 +1614,12 @@ def console_line(record: dict, total: int, epochs: int) -> str:
         rates += f"  {r[f'{COUNT_UNIT}_per_sec']:>9,.0f} {COUNT_UNIT}/s"
     if "mfu" in r:
         rates += f"  MFU {100 * r['mfu']:5.2f}%"
-    waits = r["data_wait_by_rank"]  # a straggler: a rank that waits for data markedly more than the median
-    median, worst = sorted(waits)[(len(waits) - 1) // 2], max(range(len(waits)), key=waits.__getitem__)
-    rates += (f"  rank {worst} waits for data {waits[worst]:.0%} of the time (median {median:.0%})"
-              if waits[worst] > 2 * median + 0.05 else f"  data wait {median:3.0%}")
+    named = ""  # a straggler: a rank that computes, or waits for data (first), markedly more than the median
+    for shares, does in ((r["compute_by_rank"], "computes"), (r["data_wait_by_rank"], "waits for data")):
+        median, worst = sorted(shares)[(len(shares) - 1) // 2], max(range(len(shares)), key=shares.__getitem__)
+        if shares[worst] > 1.5 * median + 0.05:
+            named = f"rank {worst} {does} {shares[worst]:.0%} of the time (median {median:.0%})"
+    rates += f"  {named or f'data wait {median:3.0%}'}"  # (median: the data wait's)
     if r["kind"] == "epoch":
         return (f"epoch {r['epoch']:>3}/{epochs}  train_loss {r['train_loss']:.4f}{evals}  {rates}  "
                 f"world {r['world_size']}  batch {r['effective_batch_size']}  {r['epoch_time_s']:6.2f} s")

@@ -1053,8 +1053,8 @@ def test_ddp_buckets_follow_the_order_gradients_really_arrive_in(project, tmp_pa
 # ---------------------------------------------------------------------------
 
 PROGRESS = re.compile(r"^  epoch +(\d+)/(\d+)  step +([\d,]+)/([\d,]+) \( *([\d.]+)%\)  train_loss ([\d.]+) +([\d,]+) "
-                      r"samples/s(?: +([\d,]+) tokens/s)?  (?:data wait +\d+%|rank \d+ waits for data \d+% of the time "
-                      r"\(median \d+%\))  lr \S+  elapsed (\d+):(\d\d):(\d\d)  ETA (\d+):(\d\d):(\d\d)$", re.M)
+                      r"samples/s(?: +([\d,]+) tokens/s)?  (?:data wait +\d+%|rank \d+ (?:waits for data|computes) \d+% of "
+                      r"the time \(median \d+%\))  lr \S+  elapsed (\d+):(\d\d):(\d\d)  ETA (\d+):(\d\d):(\d\d)$", re.M)
 
 
 def seconds(h, m, s) -> int:
@@ -2773,14 +2773,16 @@ def test_the_stuck_rank_is_named_also_where_the_others_wait_in_the_same_function
     assert report["rank"] == 1 and f"(stall_stuck.py:{stuck_line(where)})" in report["place"], r
 
 
-WAIT_SHARES = re.compile(r"  (?:rank (\d+) waits for data (\d+)% of the time \(median (\d+)%\)|data wait +(\d+)%)  ")
+SHARES = re.compile(r"  (?:rank (\d+) (waits for data|computes) (\d+)% of the time \(median (\d+)%\)|data wait +(\d+)%)  ")
 
 
-def wait_shares(stdout: str) -> list[tuple]:
-    """(rank named or None, its share, the median share) in %, of each progress line and epoch line."""
-    shares = [WAIT_SHARES.search(line) for line in stdout.splitlines() if line.lstrip().startswith("epoch ")]
+def wait_shares(stdout: str, does: str = "waits for data") -> list[tuple]:
+    """(rank named or None, its share, the median share) in %, of each progress line and epoch line; a rank is
+    named for what it `does` (or None, with the data wait's median)."""
+    shares = [SHARES.search(line) for line in stdout.splitlines() if line.lstrip().startswith("epoch ")]
     assert all(shares), stdout
-    return [(int(m[1]), int(m[2]), int(m[3])) if m[1] else (None, int(m[4]), int(m[4])) for m in shares]
+    return [(int(m[1]), int(m[3]), int(m[4])) if m[2] == does else (None, int(m[5] or -1), int(m[5] or -1))
+            for m in shares]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -2792,11 +2794,33 @@ def test_a_rank_with_slow_data_is_named_by_its_share_of_time_waiting_for_it(proj
     [epoch] = r.metrics
     waits = epoch["data_wait_by_rank"]
     assert len(waits) == 2 and waits[1] > 0.4 and waits[0] < waits[1] / 3, epoch
+    # Rank 0 waits for rank 1's data in DDP's broadcast of digits' BatchNorm buffers, at its forward's start:
+    # before its compute starts (the model's forward pre-hook), so that wait is not in its compute share.
+    assert epoch["compute_by_rank"][0] < waits[1] / 4, epoch
     shares = wait_shares(r.stdout)
     assert len(shares) >= 3, r.stdout  # progress lines, and the epoch's
     assert {rank for rank, _, _ in shares} == {1}, r.stdout  # each line names rank 1, none rank 0
     rank, share, median = shares[-1]  # the epoch's line: its record's figures
     assert rank == 1 and abs(share - 100 * waits[1]) <= 1 and abs(median - 100 * waits[0]) <= 1, (shares, epoch)
+
+
+@pytest.mark.parametrize("task", ["digits", "lm"])
+def test_a_rank_that_computes_slowly_is_named_by_its_share_of_time_computing(project, tmp_path, task):
+    # Rank 1's compute_loss sleeps 30 ms after its model's forward in every training step. Its compute share
+    # must exceed rank 0's by the share of the epoch it slept (known here: steps x 30 ms): rank 0 waits for it in
+    # the gradient all-reduce, which is not compute. On digits (BatchNorm) and tinylm (tokens: a count all-reduce).
+    env = clean_env(SLOW_PROJECT=task, SLOW_COMPUTE_MS=30, **({**LM_EXACT, "LM_TRAIN_SIZE": 640} if task == "lm" else {}))
+    r = run(torchrun_cmd(2, "--epochs", 1, "--batch-size", 16, "--log-seconds", 0.3,
+                         script=str(project / "slow_compute.py")), tmp_path, env=env)
+    [epoch] = r.metrics
+    compute, waits, seconds = epoch["compute_by_rank"], epoch["data_wait_by_rank"], epoch["epoch_time_s"]
+    slept = epoch["step"] * 0.030 / seconds  # one micro-batch a step on each rank
+    assert 0.9 * slept <= compute[1] - compute[0] <= 1.5 * slept + 0.05, (slept, epoch)
+    assert compute[0] > 0 and max(waits) < 0.2 and compute[1] + waits[1] <= 1.0, epoch
+    shares = wait_shares(r.stdout, "computes")
+    assert len(shares) >= 2 and {rank for rank, _, _ in shares} == {1}, r.stdout  # every line names rank 1
+    rank, share, median = shares[-1]  # the epoch's line: its record's figures
+    assert abs(share - 100 * compute[1]) <= 1 and abs(median - 100 * compute[0]) <= 1, (shares, epoch)
 
 
 def test_data_wait_shares_are_shares_of_the_time_at_most_100_percent(project, tmp_path):
