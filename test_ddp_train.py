@@ -2014,6 +2014,37 @@ def test_max_steps_with_keep_best_stopped_twice_around_the_best_resumes_to_bit_i
             [(m["kind"], m["step"], m["eval_loss"]) for m in whole.metrics])
 
 
+def test_lm_max_steps_on_two_ranks_evaluates_every_n_steps_and_keeps_best_pt_at_the_lowest_token_mean(
+        project, tmp_path, tinylm):
+    # tinylm (a token mean over functions of unequal lengths) under torchrun 2: 200 functions at 2 x 8, 13 steps
+    # an epoch, 30 steps in all, an evaluation every 5. best.pt, scored here over the whole eval set as one
+    # padded batch (the per-token losses' sum over the real tokens), is the lowest evaluation's model.
+    sizes = {**LM_EXACT, "LM_TRAIN_SIZE": 200, "LM_EVAL_SIZE": 40}
+    r = run(lm_cmd(project, "torchrun 2", "--batch-size", 8, "--max-steps", 30, "--eval-every", 5, "--keep-best",
+                   "eval_loss", "--lr", "0.01", "--schedule", "constant"), tmp_path, env=clean_env(**sizes))
+    assert [(m["kind"], m["step"]) for m in r.metrics] == [("eval", 5), ("eval", 10), ("epoch", 13), ("eval", 15),
+                                                            ("eval", 20), ("eval", 25), ("epoch", 26), ("epoch", 30)]
+    for name, value in sizes.items():
+        setattr(tinylm, name[3:], value)
+    args = default_args()
+    _, eval_set = tinylm.build_datasets(args)
+    batch = tinylm.collate_fn([eval_set[i] for i in range(len(eval_set))])
+
+    def token_mean_loss(path):
+        model = tinylm.build_model(args)
+        model.load_state_dict(torch.load(path, weights_only=True))
+        with torch.no_grad():
+            logits = model.eval()(batch["inputs"]).double()
+        real = batch["targets"] != tinylm.IGNORE
+        return (F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=tinylm.IGNORE,
+                                reduction="sum") / real.sum()).item()
+
+    assert all(m["eval_tokens"] == int((batch["targets"] != tinylm.IGNORE).sum()) for m in r.metrics), r.metrics
+    lowest = min(m["eval_loss"] for m in r.metrics)
+    assert token_mean_loss(r.out_dir / "best.pt") == pytest.approx(lowest, rel=1e-5)
+    assert token_mean_loss(r.out_dir / "model.pt") == pytest.approx(r.metrics[-1]["eval_loss"], rel=1e-5)
+
+
 def test_a_stop_in_the_runs_last_step_finishes_the_run_with_its_last_record_and_evaluation(project, tmp_path,
                                                                                            reference):
     # Its checkpoint would hold step == total before the end-of-run record and evaluation: the run ends them.
