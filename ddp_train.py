@@ -1425,8 +1425,8 @@ class EpochStats:
         self.step_losses, self.norms, self.count, self.current = [], [], 0, None
         self.last_norm, self.first_step_at, self.forward_at, self.computing, self.computed = None, None, None, [], 0.0
         self.loop_started, self.first_step, self.zero = time.perf_counter(), None, torch.zeros((), device=ctx.device)
-        if model is not None:
-            model.register_forward_pre_hook(self.forward_starts)
+        if model is not None:  # (a graph break under torch.compile: dynamo would trace the CUDA event into its graph)
+            model.register_forward_pre_hook(torch.compiler.disable(self.forward_starts))
 
     def start_epoch(self, progress: Progress) -> None:
         # (time, samples, count, loss sum, timing) when the epoch began, and at the last progress line
@@ -1448,6 +1448,7 @@ class EpochStats:
         self.count = self.count + count
         if self.forward_at is not None:  # this rank's compute: from its model's forward to the end of compute_loss
             self.computing.append((self.forward_at, self.stamp()))
+            self.forward_at = None  # (a forward that no add() follows, evaluation's say, times nothing)
 
     def end_step(self, grad_norm: torch.Tensor) -> None:
         """grad_norm: the step's gradient norm before clipping (0-dim)."""
@@ -1614,11 +1615,11 @@ def console_line(record: dict, total: int, epochs: int) -> str:
         rates += f"  {r[f'{COUNT_UNIT}_per_sec']:>9,.0f} {COUNT_UNIT}/s"
     if "mfu" in r:
         rates += f"  MFU {100 * r['mfu']:5.2f}%"
-    named = ""  # a straggler: a rank that computes, or waits for data (first), markedly more than the median
+    named, most = "", 0.05  # a straggler: the rank that computes, or waits for data, the most over 1.5 x the median
     for shares, does in ((r["compute_by_rank"], "computes"), (r["data_wait_by_rank"], "waits for data")):
-        median, worst = sorted(shares)[(len(shares) - 1) // 2], max(range(len(shares)), key=shares.__getitem__)
-        if shares[worst] > 1.5 * median + 0.05:
-            named = f"rank {worst} {does} {shares[worst]:.0%} of the time (median {median:.0%})"
+        median, (share, worst) = sorted(shares)[(len(shares) - 1) // 2], max((s, rank) for rank, s in enumerate(shares))
+        if share - 1.5 * median > most:
+            named, most = f"rank {worst} {does} {share:.0%} of the time (median {median:.0%})", share - 1.5 * median
     rates += f"  {named or f'data wait {median:3.0%}'}"  # (median: the data wait's)
     if r["kind"] == "epoch":
         return (f"epoch {r['epoch']:>3}/{epochs}  train_loss {r['train_loss']:.4f}{evals}  {rates}  "
@@ -1815,8 +1816,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def at_least(low, strict: bool = False):
-    """An argparse type: a number (an int if `low` is one) no smaller than `low` (strict: greater). Text that is
-    no number gets argparse's own "invalid int value: 'abc'", which names the type by the function's name."""
+    """An argparse type: a number (an int if `low` is one) no smaller than `low` (strict: greater)."""
 
     def parse(text):
         value = type(low)(text)
@@ -1824,7 +1824,7 @@ def at_least(low, strict: bool = False):
             raise argparse.ArgumentTypeError(f"must be {'greater than' if strict else 'at least'} {low:g}, got {text}")
         return value
 
-    parse.__name__ = type(low).__name__
+    parse.__name__ = type(low).__name__  # argparse's own "invalid int value: 'abc'" takes the type's name from here
     return parse
 
 
