@@ -2605,6 +2605,8 @@ def test_report_of_a_users_script_gets_every_record_once_on_rank_0_alone(tmp_pat
     assert len(progress) >= 4 and [record["step"] for record in progress] == shown, (progress, r.stdout)
     for record in progress:
         assert {"epoch", "train_loss", "lr", "grad_norm", "samples_per_sec", "elapsed_s", "eta_s"} <= record.keys()
+        assert len(record["data_wait_by_rank"]) == len(record["compute_by_rank"]) == 2, record  # one share a rank
+        assert all(0 <= share <= 1 for share in record["data_wait_by_rank"] + record["compute_by_rank"]), record
 
 
 # ------ make setup: the pinned TensorBoard for the tests, not a dependency of ddp_train.py ---------------
