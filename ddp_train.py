@@ -1448,7 +1448,7 @@ class EpochStats:
         self.count = self.count + count
         if self.forward_at is not None:  # this rank's compute: from its model's forward to the end of compute_loss
             self.computing.append((self.forward_at, self.stamp()))
-            self.forward_at = None  # (a forward that no add() follows, evaluation's say, times nothing)
+            self.forward_at = None  # so an add() with no forward of the model since the last one times nothing
 
     def end_step(self, grad_norm: torch.Tensor) -> None:
         """grad_norm: the step's gradient norm before clipping (0-dim)."""
