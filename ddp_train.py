@@ -28,6 +28,7 @@ import datetime
 import faulthandler
 import functools
 import gc
+import inspect
 import json
 import math
 import os
@@ -185,9 +186,8 @@ def init_distributed(args) -> DistContext:
         return ctx  # one process: no process group, and every collective below is skipped
     timeout = datetime.timedelta(seconds=args.timeout)
     try:
-        # DDP: join the process group. The timeout turns a missing peer into an error, not a hang.
+        # DDP: join the process group; the timeout makes a missing peer an error (no device_id: pytorch/pytorch#153960)
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout,
-                                device_id=ctx.device if ctx.device.type == "cuda" else None,
                                 **rendezvous(world, timeout))  # env://, or a workaround's store
     except Exception as exc:  # name what was tried; the launcher has said the rest
         fail(f"rank {rank} could not join the {world}-process group at {env.get('MASTER_ADDR')}:"
@@ -432,7 +432,7 @@ def add_machinery_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stall-seconds", type=at_least(0.0), default=300.0, metavar="S",
                    help="S seconds without a step: each rank's stacks in OUT_DIR/stall/, who holds up whom (0: off)")
     g.add_argument("--debug", action="store_true",
-                   help="torch's distributed debugging (DETAIL, NCCL_DEBUG=INFO, C++ stacks); ranks' in OUT_DIR/debug")
+                   help="torch's distributed debugging (INFO, NCCL_DEBUG=INFO, C++ stacks); ranks' in OUT_DIR/debug")
     g = p.add_argument_group("model and optimizer")
     g.add_argument("--clip-grad-norm", type=at_least(0.0, strict=True), default=None, metavar="MAX",
                    help="clip the global gradient norm to MAX once per optimizer step")
@@ -1139,7 +1139,7 @@ def zero_gradient_backward(ddp_model: nn.Module, step_count: StepCount, samples:
     params = [p for p in module.parameters() if p.requires_grad]
     module.forward = lambda *_: sum(p.sum() for p in params) * 0.0
     try:
-        zero = ddp_model()
+        zero = ddp_model(torch.zeros(()))  # Trap: with device_ids (CUDA), DDP's forward needs an input to move
     finally:
         del module.forward  # back to the class's own forward
     step_count.start(0, samples)
@@ -1325,18 +1325,27 @@ def set_up_process(args, ctx: DistContext) -> None:
     by name), NCCL's log, C++ stack traces; every rank but 0 writes its stderr to OUT_DIR/debug/rank{R}.log."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(process_cpus(ctx))
-    if args.debug:  # DETAIL on gloo: torch 2.13's CPU build segfaults while building DDP (seen here); INFO works
-        level = "DETAIL" if torch.cuda.is_available() else "INFO"
-        os.environ.update(TORCH_DISTRIBUTED_DEBUG=level, TORCH_SHOW_CPP_STACKTRACES="1", NCCL_DEBUG="INFO")
+    if args.debug:  # INFO: DETAIL made torch 2.13's CPU build segfault while building DDP; yours wins if you set it
+        os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "INFO")
+        os.environ.update(TORCH_SHOW_CPP_STACKTRACES="1", NCCL_DEBUG="INFO")
         dist.set_debug_level_from_env()  # torch.distributed read the variable when it was imported
         if ctx.rank:  # its stderr (fd 2, where C++ and NCCL log too) becomes the file
             os.makedirs(debug := os.path.join(args.out_dir, "debug"), exist_ok=True)
             os.dup2(os.open(os.path.join(debug, f"rank{ctx.rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     if torch.cuda.is_available():  # NCCL's flight recorder: the collectives in flight, dumped on a timeout
-        os.makedirs(os.path.join(args.out_dir, "stall"), exist_ok=True)
-        trace = os.path.join(args.out_dir, "stall", "nccl_trace_rank_")
-        for name, value in (("TRACE_BUFFER_SIZE", "2000"), ("DUMP_ON_TIMEOUT", "1"), ("DEBUG_INFO_TEMP_FILE", trace)):
-            os.environ.setdefault(f"TORCH_NCCL_{name}", value)
+        for name, value in flight_recorder_env(args.out_dir).items():
+            os.environ.setdefault(name, value)
+
+
+def flight_recorder_env(out_dir: str) -> dict:
+    """NCCL's flight recorder: each rank keeps its last 2000 collectives and dumps them on a timeout to
+    OUT_DIR/nccl_trace_rank_{R} (in the out-dir, which exists: the recorder makes no directory). Both spellings:
+    torch 2.4 reads TORCH_NCCL_* alone, newer versions TORCH_FR_* too (seen in 2.15's library)."""
+    prefix, env = os.path.join(out_dir, "nccl_trace_rank_"), {}
+    for new, old, value in (("BUFFER_SIZE", "TRACE_BUFFER_SIZE", "2000"), ("DUMP_ON_TIMEOUT", "DUMP_ON_TIMEOUT", "1"),
+                            ("DUMP_TEMP_FILE", "DEBUG_INFO_TEMP_FILE", prefix)):
+        env[f"TORCH_FR_{new}"] = env[f"TORCH_NCCL_{old}"] = value
+    return env
 
 
 def spawn_workers(args) -> int:
@@ -1351,7 +1360,9 @@ def spawn_workers(args) -> int:
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: [os.kill(p.pid, signum) for p in context.processes if p.is_alive()])
     try:
-        while not context.join(grace_period=15):  # after a failure the others get 15 s to end on their own
+        # After a failure the others get 15 s to end on their own (torch >= 2.6; before, they are stopped at once).
+        grace = {"grace_period": 15} if "grace_period" in inspect.signature(context.join).parameters else {}
+        while not context.join(**grace):
             pass
     except mp.ProcessExitedException as exc:
         return exc.exit_code if exc.exit_code > 0 else 1
@@ -1757,10 +1768,8 @@ def mean_gradients(job: Job, count) -> torch.Tensor:
     scale = gradient_scale(count, job.ctx.world_size * job.typical_count, grads[0].dtype)  # DDP: sums -> mean
     if scale is not None:
         torch._foreach_mul_(grads, scale)  # one kernel for all gradients (what torch's own optimizers use)
-    norm = torch.nn.utils.get_total_norm(grads)
-    if job.args.clip_grad_norm:
-        torch.nn.utils.clip_grads_with_norm_(job.params, job.args.clip_grad_norm, norm)
-    return norm
+    # The norm, and the clip if asked (without: x 1.0 when finite, which changes nothing): one call on every torch.
+    return torch.nn.utils.clip_grad_norm_(job.params, job.args.clip_grad_norm or math.inf)
 
 
 def gradient_scale(count, factor: float, dtype: torch.dtype):
