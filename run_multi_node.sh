@@ -224,8 +224,18 @@ PY
   fi
 fi
 
-launch=(--nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS"
-        --shutdown-timeout="$SHUTDOWN_TIMEOUT")
+launch=(--nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS")
+# torchrun's --shutdown-timeout is torch 2.12's and its --signals-to-handle 2.10's. An older torchrun SIGKILLs its
+# workers 30 s after a stop signal, and a SIGUSR1 ends it at once: say so, and go on.
+torchrun_help=$("$PYTHON" -m torch.distributed.run --help 2>/dev/null || true)
+if [[ "$torchrun_help" == *--shutdown-timeout* ]]; then
+  launch+=(--shutdown-timeout="$SHUTDOWN_TIMEOUT")
+else
+  SHUTDOWN_TIMEOUT=30
+  echo "run_multi_node.sh: this torchrun has no --shutdown-timeout (torch 2.12+): after a stop signal the workers get" \
+       "30 s to save their checkpoint, then SIGKILL; a longer save needs torch 2.12 or later$([[ "$torchrun_help" == \
+       *--signals-to-handle* ]] || echo ". It also dies of SIGUSR1 (torch 2.10+ forwards it): stop it with SIGTERM")" >&2
+fi
 [[ -n "$local_addr" ]] && launch+=(--local-addr="$local_addr")
 if [[ "$MAX_NODES" == 1 && -z "$master_addr_given" ]]; then
   launch+=(--standalone)  # one node: a free port, so two runs on one machine never collide
