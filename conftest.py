@@ -50,6 +50,15 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: not (item.get_closest_marker("multinode") or item.get_closest_marker("slurm")))
 
 
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_gpu(request, monkeypatch):
+    """The suite trains on the CPU (gloo) wherever it runs, a GPU machine too: every process a test launches sees
+    no GPU (CUDA_VISIBLE_DEVICES=""), unless the test is marked gpu. (On a GPU machine the script would otherwise
+    take NCCL and a GPU per process, and torchrun's 2 processes on a 1-GPU machine stop with one line.)"""
+    if not request.node.get_closest_marker("gpu"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 def clean_env(**extra) -> dict:
     """The test's environment without any launcher's variables, plus `extra` (None: unset it).
     One thread per process unless a test says otherwise: the suite runs two tests at a time, and
@@ -483,7 +492,7 @@ def before_training():  # ddp_train's passes over the first batch (count_flops, 
 
 def tripwire(module, inputs):
     global calls
-    if not module.training or not inputs or before_training():  # evaluation, DDP's data-free backward
+    if not module.training or inputs[0].dim() == 0 or before_training():  # evaluation, the zero-gradient step's 0-dim input
         return
     calls += 1
     rank = int(os.environ.get("RANK", 0))
@@ -546,7 +555,7 @@ calls = 0
 
 def hold_while_alone(module, inputs):
     global calls
-    if not module.training or not inputs or stopper.before_training() or os.environ.get("WORLD_SIZE") != "1":
+    if not module.training or inputs[0].dim() == 0 or stopper.before_training() or os.environ.get("WORLD_SIZE") != "1":
         return
     calls += 1
     if calls == int(os.environ.get("HOLD_AT", 0)):
@@ -972,12 +981,23 @@ if __name__ == "__main__":
 """,
     # The default task's MLP with a buffer that is not BatchNorm's (DDP broadcasts every buffer at a step's
     # first forward, a collective of its own): a rank without samples in a step must keep the order.
+    # The default task's MLP with a buffer of its own, which DDP broadcasts in every forward. Its DDP does first
+    # what DDP's forward does with device_ids (CUDA: nn/parallel/distributed.py, _pre_forward): move the inputs
+    # with torch's own _to_kwargs and take the first, which raises IndexError for a call with no input.
     "buffered.py": """
 import sys
 import torch
+from torch.distributed.utils import _to_kwargs
 import ddp_train
 
 build_mlp = ddp_train.build_model
+
+
+class AsOnCuda(ddp_train.DDP):
+    def forward(self, *inputs, **kwargs):
+        moved_inputs, moved_kwargs = _to_kwargs(inputs, kwargs, torch.device("cpu"), False)
+        moved_inputs[0], moved_kwargs[0]
+        return super().forward(*inputs, **kwargs)
 
 
 class Buffered(torch.nn.Module):
@@ -990,7 +1010,7 @@ class Buffered(torch.nn.Module):
         return self.mlp(x) / self.temperature
 
 
-ddp_train.build_model = Buffered
+ddp_train.build_model, ddp_train.DDP = Buffered, AsOnCuda
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,

@@ -7,6 +7,7 @@ import ast
 import json
 import math
 import os
+import pickle
 import re
 import shlex
 import signal
@@ -29,6 +30,7 @@ from conftest import (CORES, FINAL_STATES, HAS_CUDA, PY, ROOT, RUN_MULTI, SCRIPT
 # A small workload: 2 epochs, 32 samples per process and step. 1000 divides by 2 and 4
 # processes, and not by the global batch (a short last step).
 SMALL = ["--num-samples", "1000", "--eval-samples", "301", "--epochs", "2", "--batch-size", "32"]
+README = (ROOT / "README.md").read_text()
 gpu = pytest.mark.gpu
 multinode = pytest.mark.multinode
 slurm = pytest.mark.slurm  # each pytest-xdist worker starts clusters of its own, their job ids apart
@@ -48,6 +50,7 @@ def check_completed_run(r: Result, world_size: int, launcher: str):
     model.load_state_dict(r.weights)  # plain, strict: no "module." or "_orig_mod." prefixes
 
 
+@pytest.mark.tier
 @pytest.mark.fast
 def test_plain_python_runs_one_process_without_process_group(tmp_path):
     r = run(python_cmd(*SMALL), tmp_path, env=clean_env(OMP_NUM_THREADS=None))
@@ -60,12 +63,14 @@ def test_torchrun_single_node(tmp_path, nproc):
     check_completed_run(run(torchrun_cmd(nproc, *SMALL), tmp_path), nproc, "torchrun")
 
 
+@pytest.mark.tier
 def test_spawn_starts_local_processes_itself(tmp_path):
     r = run(python_cmd(*SMALL, "--spawn", 2), tmp_path, env=clean_env(OMP_NUM_THREADS=None))
     check_completed_run(r, 2, "spawn")
     assert f"{max(1, CORES // 2)} thread(s)/process" in r.stdout  # the cores shared between the processes
 
 
+@pytest.mark.tier
 @pytest.mark.parametrize("helper", ["run_single.sh", "run_multi_node.sh"])
 def test_the_launch_helpers_run_a_script_of_yours_that_imports_ddp_train(tmp_path, helper):
     # examples/digits.py has no ddp_train.py beside it: the helper makes the one beside itself importable.
@@ -82,6 +87,7 @@ def test_user_thread_setting_is_respected(tmp_path):
     assert "1 thread(s)/process" in r.stdout
 
 
+@pytest.mark.tier
 def test_legacy_distributed_launch_passes_local_rank_argument(tmp_path):
     # torch.distributed.launch is torchrun's agent too, plus the --local-rank argument.
     cmd = [PY, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}", SCRIPT, *SMALL]
@@ -133,6 +139,7 @@ def test_two_torchrun_nodes_on_localhost_only_rank0_writes(tmp_path):
     assert not (tmp_path / "node1" / "out").exists()
 
 
+@pytest.mark.tier
 @pytest.mark.fast
 def test_importing_starts_nothing():
     r = subprocess.run([PY, "-c", "import ddp_train, torch.distributed as d; print(d.is_initialized())"],
@@ -166,6 +173,7 @@ def typed(cmd, tmp_path, name, repo, env=None) -> Launch:
     return launch
 
 
+@pytest.mark.tier
 def test_make_train_then_train_cpu_then_train_again_each_target_continues_its_own_run(tmp_path):
     repo = fresh_clone(tmp_path)
     first, cpu, again = [typed(["make", "-s", target, f"ARGS={shlex.join(TINY)}"], tmp_path, f"{i}-{target}", repo)
@@ -177,11 +185,51 @@ def test_make_train_then_train_cpu_then_train_again_each_target_continues_its_ow
     # puts the target's after run_single.sh's own --gpu N, which must come first.
     dry = lambda *a: subprocess.run(["make", "-n", "-s", *a], cwd=repo, capture_output=True, text=True, timeout=60,
                                     env=clean_env(MAKEFLAGS=None, MAKELEVEL=None, MFLAGS=None)).stdout.rstrip()
-    assert dry("train-cpu", "SCRIPT=examples/digits.py", "ARGS=--out-dir mine").endswith(
-        " examples/digits.py --out-dir out/train-cpu/digits --out-dir mine")
+    cpu_dry = dry("train-cpu", "SCRIPT=examples/digits.py", "ARGS=--out-dir mine")
+    assert " SCRIPT=examples/digits.py ./run_multi_node.sh --out-dir out/train-cpu/digits --out-dir mine" in cpu_dry
     assert dry("train", "ARGS=--gpu 1 --out-dir mine").endswith(
         "./run_single.sh --gpu 1 --out-dir out/train/ddp_train --out-dir mine")
     assert dry("train-multinode").endswith("./run_multi_node.sh --out-dir out/train-multinode/ddp_train")
+
+
+@pytest.mark.tier
+def test_make_setup_offline_reuses_the_torch_of_the_python_that_makes_it_and_says_what_it_lacks(tmp_path):
+    # An offline GPU node: its image's python (often a venv's own, as this suite's interpreter is) imports torch,
+    # numpy and pytest; pip reaches no registry. make setup, make train and make test-gpu must work there.
+    # The image's python: a venv whose site-packages hold this suite's, but for pytest-xdist and tensorboard
+    # (optional: each missing one is one line, and setup goes on).
+    image = tmp_path / "image"
+    subprocess.run([PY, "-m", "venv", "--without-pip", image], check=True, timeout=120)
+    packages = Path(subprocess.run([image / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path("
+                                    "'purelib'))"], capture_output=True, text=True, check=True).stdout.strip())
+    ours = Path(torch.__file__).parent.parent
+    for entry in ours.iterdir():
+        if not entry.name.startswith(("xdist", "pytest_xdist", "tensorboard")) and not entry.name.endswith(".pth"):
+            (packages / entry.name).symlink_to(entry)
+    repo = fresh_clone(tmp_path)
+    shutil.rmtree(repo / ".venv")
+    offline = clean_env(MAKEFLAGS=None, MAKELEVEL=None, MFLAGS=None, PIP_NO_INDEX=1, PIP_FIND_LINKS="",
+                        PIP_CONFIG_FILE=os.devnull)
+    make = lambda *a, env=offline: subprocess.run(["make", "-s", *a, f"PYTHON={image / 'bin' / 'python'}"], cwd=repo,
+                                                  env=env, capture_output=True, text=True, timeout=300)
+    r = make("setup")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"torch {torch.__version__} ready in .venv" in r.stdout.splitlines(), r.stdout
+    assert "make setup: no pytest-xdist (offline?): make test runs one test at a time" in r.stdout, r.stdout
+    assert "make setup: no tensorboard (offline?): the TensorBoard tests skip" in r.stdout, r.stdout
+    assert "outside" not in r.stdout, r.stdout
+    train = make("train", f"ARGS={shlex.join(TINY)}")
+    assert train.returncode == 0 and "saved out/train/ddp_train/model.pt" in train.stdout, train.stdout + train.stderr
+    gpu = make("test-gpu")
+    assert gpu.returncode == 0, gpu.stdout + gpu.stderr
+    # A torch outside the tested range is named in one line, and used all the same.
+    old = tmp_path / "old"
+    (old / "torch").mkdir(parents=True)
+    (old / "torch" / "__init__.py").write_text("__version__ = '2.3.1'\n")
+    (repo / ".venv" / ".ready").unlink()
+    r = make("setup", env={**offline, "PYTHONPATH": str(old)})
+    assert r.returncode == 0 and (repo / ".venv" / ".ready").exists(), r.stdout + r.stderr
+    assert "make setup: torch 2.3.1 is outside 2.4 to 2.15, the versions tested; going on" in r.stdout, r.stdout
 
 
 def test_python_ddp_train_and_python_examples_tinylm_in_one_directory_write_out_dirs_of_their_own(tmp_path):
@@ -205,6 +253,7 @@ def test_python_ddp_train_and_python_examples_tinylm_in_one_directory_write_out_
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.tier
 @pytest.mark.fast
 def test_two_ranks_match_single_process_global_batch(tmp_path, reference):
     two = reference(torchrun_cmd(2, *SMALL))
@@ -678,6 +727,7 @@ def test_the_step_count_is_made_on_the_device_and_scales_gradients_in_their_own_
     assert ddp_train.gradient_scale(64.0, 128.0, torch.float32) == 2.0 and ddp_train.gradient_scale(0, 8.0, None) == 0.0
 
 
+@pytest.mark.tier
 def test_lm_two_ranks_with_accumulation_match_one_process_on_variable_length_batches(project, tmp_path):
     # 2 x 8 x accum 2 == 1 x 32 on 200 functions of unequal lengths (a short last step too). Each
     # micro-batch is padded to its own longest sample, so the matmuls have other shapes than in the
@@ -721,6 +771,7 @@ def test_lm_global_batch_with_drop_last_is_the_same_run_on_one_rank_or_two(proje
     assert "8/process x 2 x 2 accum" in two.stdout and "8/process x 1 x 4 accum" in one.stdout, (two.stdout, one.stdout)
 
 
+@pytest.mark.tier
 def test_lm_stopped_mid_epoch_resumes_bit_identical_with_dropout_and_workers(project, tmp_path, reference):
     # Dropout on both ranks, padding collated in 2 DataLoader workers; the reference loads without
     # workers. 320 functions at 2 x 16: 10 steps per epoch; the stop comes in epoch 2.
@@ -846,7 +897,7 @@ def test_compiled_ddp_saves_a_plain_state_dict(tmp_path):
     ddp_train.build_model(default_args()).load_state_dict(r.weights)
 
 
-@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+@pytest.mark.parametrize("amp", [pytest.param("bf16", marks=pytest.mark.tier), "fp16"])
 def test_mixed_precision_trains_on_cpu_too(tmp_path, reference, amp):
     r = run(torchrun_cmd(2, *SMALL, "--amp", amp), tmp_path)
     exact = reference(torchrun_cmd(2, *SMALL))
@@ -915,7 +966,8 @@ def test_drop_last_drops_the_same_samples_in_n_by_b_and_one_by_nb(tmp_path, refe
 
 def test_a_rank_without_samples_in_the_last_step_keeps_the_collectives_in_order_with_buffers(project, tmp_path):
     # 129 samples at 64 a rank: the second step has one sample, rank 1 none. Its zero-gradient step must run
-    # DDP's buffer broadcast, the count and the buckets in the order rank 0 does.
+    # DDP's buffer broadcast, the count and the buckets in the order rank 0 does, and give DDP's forward an input:
+    # buffered.py's DDP moves its inputs first, as DDP does on GPUs (where a call without any raised IndexError).
     args = ["--num-samples", 129, "--eval-samples", 64, "--epochs", 2]
     two = run(torchrun_cmd(2, *args, "--batch-size", 64, script=str(project / "buffered.py")), tmp_path, out="two")
     one = run(python_cmd(*args, "--batch-size", 128, script=str(project / "buffered.py")), tmp_path, out="one")
@@ -1159,6 +1211,7 @@ def test_killed_worker_is_restarted_and_ends_bit_identical(tmp_path, reference):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-9) and a["eval_accuracy"] == b["eval_accuracy"]
 
 
+@pytest.mark.tier
 def test_sigterm_to_torchrun_checkpoints_on_every_rank_and_rerun_is_bit_identical(tmp_path, reference):
     out = tmp_path / "out"
     cmd = torchrun_cmd(2, *FT)
@@ -1177,23 +1230,35 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank_and_rerun_is_bit_identica
     assert_same_weights(again.weights, reference(FT_TORCHRUN2).weights, exact=True)
 
 
-def test_the_launch_helpers_give_torchrun_a_shutdown_timeout_of_120_s_or_yours(tmp_path):
+TORCHRUN_HELP = subprocess.run([PY, "-m", "torch.distributed.run", "--help"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.tier
+def test_the_launch_helpers_give_torchrun_a_shutdown_timeout_of_120_s_or_yours_or_say_in_one_line_it_has_none(tmp_path):
     # torchrun SIGKILLs its workers 30 s after a stop signal unless told otherwise: too short for a big save.
+    # Every make target's torchrun goes through run_multi_node.sh, which passes the timeout on.
     env = clean_env(MAKEFLAGS=None, MAKELEVEL=None, MFLAGS=None)
     make = lambda *a: subprocess.run(["make", "-n", "-s", *a], cwd=ROOT, env=env, capture_output=True, text=True,
                                      timeout=60).stdout
-    for target in ("train-cpu", "train-2gpu"):
-        assert "torch.distributed.run --standalone --shutdown-timeout=120 " in make(target, "gpus=2"), target
-        assert "--shutdown-timeout=300 " in make(target, "gpus=2", "SHUTDOWN_TIMEOUT=300"), target
-    assert "SHUTDOWN_TIMEOUT=300 " in make("train-multinode", "SHUTDOWN_TIMEOUT=300")
-    # run_multi_node.sh prints its timeouts and torchrun's command, here of a script that does nothing.
+    for target in ("train-cpu", "train-2gpu", "train-multinode"):
+        assert "SHUTDOWN_TIMEOUT=120 " in make(target, "gpus=2") and "./run_multi_node.sh " in make(target), target
+        assert "SHUTDOWN_TIMEOUT=300 " in make(target, "gpus=2", "SHUTDOWN_TIMEOUT=300"), target
+    # run_multi_node.sh prints its timeouts and torchrun's command, here of a script that does nothing. A torchrun
+    # before torch 2.12 has no --shutdown-timeout: its 30 s are said in one line, and the run goes on.
     (tmp_path / "noop.py").write_text("")
     helper = [RUN_MULTI, "--nproc-per-node", 1, "--script", tmp_path / "noop.py"]
+    has_it = "--shutdown-timeout" in TORCHRUN_HELP
+    assert has_it == (tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 12))
     for setting, timeout in ({}, 120), (dict(SHUTDOWN_TIMEOUT=7), 7):
         r = run(helper, tmp_path, env=clean_env(PYTHON=PY, **setting))
+        timeout = timeout if has_it else 30
         said = f"{timeout}s for the workers to save (torchrun) and SIGKILL to torchrun at {timeout + 15}s"
         assert said in r.stderr, r
-        assert f" --shutdown-timeout={timeout} " in r.stderr, r
+        assert (f" --shutdown-timeout={timeout} " in r.stderr) == has_it, r
+        no_flag = [line for line in r.stderr.splitlines() if "has no --shutdown-timeout" in line]
+        assert len(no_flag) == (0 if has_it else 1), r
+        if not has_it:
+            assert "30 s to save their checkpoint, then SIGKILL; a longer save needs torch 2.12" in no_flag[0], r
     r = run(helper, tmp_path, env=clean_env(PYTHON=PY, SHUTDOWN_TIMEOUT="2m"), expect=2)
     assert last_line(r.stderr) == "run_multi_node.sh: SHUTDOWN_TIMEOUT must be a whole number, got '2m'", r
 
@@ -1201,7 +1266,8 @@ def test_the_launch_helpers_give_torchrun_a_shutdown_timeout_of_120_s_or_yours(t
 def test_run_multi_node_sigkills_a_torchrun_deaf_to_the_signal_15_s_after_its_shutdown_timeout(tmp_path):
     # A "torchrun" that ignores every stop signal (as one blocked on a node that left the network does).
     deaf = tmp_path / "deaf"
-    deaf.write_text("#!/bin/sh\ntrap '' TERM INT HUP USR1\nexec sleep 120\n")
+    deaf.write_text("#!/bin/sh\ncase \"$*\" in *--help*) echo --shutdown-timeout; exit;; esac\n"
+                    "trap '' TERM INT HUP USR1\nexec sleep 120\n")
     deaf.chmod(0o755)
     cmd = [RUN_MULTI, "--nproc-per-node", 1, "--script", RUN_MULTI]
     with Launch(cmd, tmp_path, env=clean_env(PYTHON=deaf, SHUTDOWN_TIMEOUT=1)) as launch:
@@ -2017,14 +2083,23 @@ def test_max_steps_with_keep_best_stopped_twice_around_the_best_resumes_to_bit_i
 def test_lm_max_steps_on_two_ranks_evaluates_every_n_steps_and_keeps_best_pt_at_the_lowest_token_mean(
         project, tmp_path, tinylm):
     # tinylm (a token mean over functions of unequal lengths) under torchrun 2: 200 functions at 2 x 8, 13 steps
-    # an epoch, 30 steps in all, an evaluation every 5. best.pt, scored here over the whole eval set as one
-    # padded batch (the per-token losses' sum over the real tokens), is the lowest evaluation's model; at a
-    # constant lr of 0.03 the eval loss rises again after its low, so best.pt is not model.pt.
+    # an epoch, 30 steps in all, an evaluation every 5. best.pt is, bit for bit, the model of the step whose
+    # evaluation was lowest: the same command stopped there by --max-steps ends with those weights, whichever step
+    # it is (no margin that training happens to give). It is also scored here, over the whole eval set as one
+    # padded batch (the per-token losses' sum over the real tokens), against that evaluation's figure.
     sizes = {**LM_EXACT, "LM_TRAIN_SIZE": 200, "LM_EVAL_SIZE": 40}
-    r = run(lm_cmd(project, "torchrun 2", "--batch-size", 8, "--max-steps", 30, "--eval-every", 5, "--keep-best",
-                   "eval_loss", "--lr", "0.03", "--schedule", "constant"), tmp_path, env=clean_env(**sizes))
+    common = ["--batch-size", 8, "--eval-every", 5, "--keep-best", "eval_loss", "--lr", "0.03", "--schedule", "constant"]
+    r = run(lm_cmd(project, "torchrun 2", *common, "--max-steps", 30), tmp_path, env=clean_env(**sizes))
     assert [(m["kind"], m["step"]) for m in r.metrics] == [("eval", 5), ("eval", 10), ("epoch", 13), ("eval", 15),
                                                             ("eval", 20), ("eval", 25), ("epoch", 26), ("epoch", 30)]
+    lowest = min(r.metrics, key=lambda m: m["eval_loss"])
+    there = run(lm_cmd(project, "torchrun 2", *common, "--max-steps", lowest["step"]), tmp_path, out="there",
+                env=clean_env(**sizes))
+    best = torch.load(r.out_dir / "best.pt", weights_only=True)
+    assert_same_weights(best, there.weights, exact=True)
+    if lowest["step"] != 30:  # then best.pt is not model.pt
+        with pytest.raises(AssertionError):
+            assert_same_weights(best, r.weights, exact=True)
     for name, value in sizes.items():
         setattr(tinylm, name[3:], value)
     args = default_args()
@@ -2041,10 +2116,8 @@ def test_lm_max_steps_on_two_ranks_evaluates_every_n_steps_and_keeps_best_pt_at_
                                 reduction="sum") / real.sum()).item()
 
     assert all(m["eval_tokens"] == int((batch["targets"] != tinylm.IGNORE).sum()) for m in r.metrics), r.metrics
-    lowest = min(m["eval_loss"] for m in r.metrics)
-    assert token_mean_loss(r.out_dir / "best.pt") == pytest.approx(lowest, rel=1e-5)
-    final = token_mean_loss(r.out_dir / "model.pt")
-    assert final == pytest.approx(r.metrics[-1]["eval_loss"], rel=1e-5) and final > lowest * 1.005  # not the best
+    assert token_mean_loss(r.out_dir / "best.pt") == pytest.approx(lowest["eval_loss"], rel=1e-5)
+    assert token_mean_loss(r.out_dir / "model.pt") == pytest.approx(r.metrics[-1]["eval_loss"], rel=1e-5)
 
 
 def test_a_stop_in_the_runs_last_step_finishes_the_run_with_its_last_record_and_evaluation(project, tmp_path,
@@ -2619,8 +2692,8 @@ def test_make_setup_installs_the_pinned_tensorboard_that_the_tests_read_curves_w
                        capture_output=True, text=True, timeout=60)
     py = tmp_path / "venv" / "bin" / "python"
     line = f'{py} -c "import tensorboard" 2>/dev/null || {py} -m pip install -q --disable-pip-version-check ' \
-           f'tensorboard==2.20.0'
-    assert r.returncode == 0 and line in r.stdout.splitlines(), r.stdout + r.stderr
+           f'tensorboard==2.20.0 '
+    assert r.returncode == 0 and any(s.startswith(line) for s in r.stdout.splitlines()), r.stdout + r.stderr
 
 
 # ---------------------------------------------------------------------------
@@ -2873,11 +2946,31 @@ def test_debug_turns_on_torchs_distributed_debugging_and_puts_the_other_ranks_ou
     assert "rank 0: debug level OFF" in plain.stderr and "rank 1: debug level OFF" in plain.stderr, plain
     assert not (plain.out_dir / "debug").exists(), plain  # without --debug, every rank's output on the console
     r = run([*cmd, "--debug"], tmp_path, out="debug", env=env)
-    level = "DETAIL" if HAS_CUDA else "INFO"  # DETAIL makes torch 2.13's CPU build crash while building DDP
-    assert f"rank 0: debug level {level}" in r.stderr and "rank 1:" not in r.stderr, r
+    # INFO on every backend (DETAIL made torch 2.13's CPU build crash while building DDP); yours, if you set one.
+    assert "rank 0: debug level INFO" in r.stderr and "rank 1:" not in r.stderr, r
     assert sorted(p.name for p in (r.out_dir / "debug").iterdir()) == ["rank1.log"], r
-    assert f"rank 1: debug level {level}" in (r.out_dir / "debug" / "rank1.log").read_text(), r
+    assert "rank 1: debug level INFO" in (r.out_dir / "debug" / "rank1.log").read_text(), r
     assert "epoch   1/1" in r.stdout and r.stdout.count("saved ") == 1, r  # rank 0's console as ever
+    mine = run([*cmd, "--debug"], tmp_path, out="mine", env=clean_env(TORCH_DISTRIBUTED_DEBUG="OFF"))
+    assert "rank 0: debug level OFF" in mine.stderr, mine
+
+
+@pytest.mark.fast
+def test_the_readmes_flight_recorder_command_reads_the_dumps_under_the_names_the_recorder_writes(tmp_path):
+    # NCCL's recorder dumps rank R's collectives to the file TORCH_FR_DUMP_TEMP_FILE (TORCH_NCCL_DEBUG_INFO_TEMP_FILE
+    # before) + R (c10d's DebugInfoWriter: c10::str(prefix, rank)). Two ranks' dumps, as the script sets the names;
+    # then the README's command, as written: its -p must end where the rank starts (fr_trace reads int(name[len(p):])).
+    pytest.importorskip("torch.distributed.flight_recorder.fr_trace", reason="torch's analyser: torch 2.10 and later")
+    env = ddp_train.flight_recorder_env(str(tmp_path / "out"))
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    (tmp_path / "out").mkdir()
+    for rank in range(2):  # an empty dump of each rank's: no collective in flight
+        dump = {"entries": [], "version": "2.10", "pg_config": {"0": {"desc": "default_pg", "ranks": "[0, 1]"}}}
+        Path(env["TORCH_FR_DUMP_TEMP_FILE"] + str(rank)).write_bytes(pickle.dumps(dump))
+    command = re.search(r"`(python -m torch\.distributed\.flight_recorder\.fr_trace [^`]+)`", README).group(1)
+    argv = [str(tmp_path / "out") if word == "OUT_DIR" else word for word in shlex.split(command)]
+    r = subprocess.run([PY, *argv[1:]], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
 
 
 def test_a_peer_hung_past_the_timeout_while_ddp_broadcasts_buffers_is_one_line(monkeypatch, capsys):
