@@ -316,45 +316,61 @@ def run_once(opts, key, nproc, program, workdir: Path) -> dict:
 # ---------------------------------------------------------------------------
 
 
+# Dense peak TFLOP/s of one GPU, for the table's MFU: (bf16 and fp16 tensor cores, fp32 without TF32).
+PEAK_TFLOPS = {"H100": (989, 67), "H200": (989, 67), "A100": (312, 19.5), "L40S": (362, 91.6)}
+
+
 def gpu_modes(opts) -> int:
     """A short training in every GPU mode; a table of mode, exit code, samples/s, MFU and peak GPU
-    memory. Returns 1 if any mode failed."""
+    memory. What needs more GPUs than this machine has is skipped, with the reason. Returns 1 if any
+    mode that ran failed."""
     import torch
 
     if not torch.cuda.is_available():
         print("bench_ddp_train.py --gpu-modes: no CUDA device here; nothing to run")
         return 0
-    gpus = torch.cuda.device_count()
+    gpus, name = torch.cuda.device_count(), torch.cuda.get_device_name()
+    peaks = next((p for model, p in PEAK_TFLOPS.items() if model in name), None)
     # 64 per GPU and step, plus one sample: an uneven last step (rank 0 alone gets the extra sample).
     uneven = str(64 * gpus * 40 + 1)
     short = ["--epochs", "2", "--num-samples", "32768", "--eval-samples", "1024"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
-    modes = [("1 GPU", [sys.executable, str(HERE / "ddp_train.py"), *short]),
-             (f"torchrun, {gpus} GPU(s)", [*torchrun, str(HERE / "ddp_train.py"), *short]),
-             ("--amp bf16", [*torchrun, str(HERE / "ddp_train.py"), *short, "--amp", "bf16"]),
-             ("--amp fp16", [*torchrun, str(HERE / "ddp_train.py"), *short, "--amp", "fp16"]),
-             ("--compile", [*torchrun, str(HERE / "ddp_train.py"), *short, "--compile"]),
-             ("--sync-bn, uneven last step", [*torchrun, str(HERE / "ddp_train.py"), "--epochs", "2", "--num-samples",
-                                              uneven, "--batch-norm", "--sync-bn"]),
-             ("--sync-bn --compile", [*torchrun, str(HERE / "ddp_train.py"), "--epochs", "2", "--num-samples", uneven,
-                                      "--batch-norm", "--sync-bn", "--compile"]),
-             ("--grad-accum 2", [*torchrun, str(HERE / "ddp_train.py"), *short, "--grad-accum", "2"]),
-             ("digits, --workers 2", [*torchrun, str(HERE / "examples/digits.py"), "--epochs", "2", "--workers", "2"]),
+    ddp_train = str(HERE / "ddp_train.py")
+    two = "" if gpus >= 2 else "needs 2 GPUs: SyncBatchNorm syncs nothing in one process"
+    modes = [("1 GPU", [sys.executable, ddp_train, *short], ""),
+             (f"torchrun, {gpus} GPU(s)", [*torchrun, ddp_train, *short], ""),
+             ("--amp bf16", [*torchrun, ddp_train, *short, "--amp", "bf16"], ""),
+             ("--amp fp16", [*torchrun, ddp_train, *short, "--amp", "fp16"], ""),
+             ("--compile", [*torchrun, ddp_train, *short, "--compile"], ""),
+             ("--sync-bn, uneven last step", [*torchrun, ddp_train, "--epochs", "2", "--num-samples", uneven,
+                                              "--batch-norm", "--sync-bn"], two),
+             ("--sync-bn --compile", [*torchrun, ddp_train, "--epochs", "2", "--num-samples", uneven, "--batch-norm",
+                                      "--sync-bn", "--compile"], two),
+             ("--grad-accum 2", [*torchrun, ddp_train, *short, "--grad-accum", "2"], ""),
+             ("digits, --workers 2", [*torchrun, str(HERE / "examples/digits.py"), "--epochs", "2", "--workers", "2"],
+              ""),
              ("tinylm, --amp bf16", [*torchrun, str(HERE / "examples/tinylm.py"), "--epochs", "1", "--batch-size", "16",
-                                     "--amp", "bf16"])]
+                                     "--amp", "bf16"], ""),
+             ("SIGTERM, resume: bit-identical", None, "")]
     failed = 0
-    print(f"{torch.cuda.get_device_name()} x {gpus}, torch {torch.__version__}\n")
-    print(f"{'mode':<30} {'exit':>5} {'samples/s':>12} {'MFU':>7} {'peak GPU mem':>13}")
+    print(f"{name} x {gpus}, torch {torch.__version__}; MFU against {peaks or 'no known peak'} TFLOP/s (bf16/fp16, "
+          f"fp32)\n")
+    print(f"{'mode':<32} {'exit':>5} {'samples/s':>12} {'MFU':>7} {'peak GPU mem':>13}")
     with tempfile.TemporaryDirectory(prefix="gpu_modes-") as workdir:
-        for label, cmd in [*modes, ("SIGTERM, then resume", None)]:
-            out = Path(workdir) / label.replace(" ", "_").replace(",", "").replace("-", "")
+        for label, cmd, skip in modes:
+            if skip:
+                print(f"{label:<32} {'-':>5}  skipped: {skip}", flush=True)
+                continue
+            out = Path(workdir) / label.replace(" ", "_").replace(",", "").replace("-", "").replace(":", "")
+            if peaks and cmd and "tinylm" not in label:  # (tinylm's attention is not all counted on every torch)
+                cmd = [*cmd, "--peak-tflops", str(peaks[0] if "--amp" in cmd else peaks[1])]
             code = resume_mode(torchrun, short, out) if cmd is None else run_mode([*cmd, "--out-dir", str(out)], opts)
             failed += code != 0
             last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1:] \
                 if (out / "metrics.jsonl").exists() else [{}]
             m = last[0]
             mfu = f"{100 * m['mfu']:.1f}%" if "mfu" in m else "-"
-            print(f"{label:<30} {code:>5} {m.get('samples_per_sec', 0):>12,.0f} {mfu:>7} "
+            print(f"{label:<32} {code:>5} {m.get('samples_per_sec', 0):>12,.0f} {mfu:>7} "
                   f"{m.get('peak_gpu_mem_mb', 0):>10,.0f} MB", flush=True)
     return 1 if failed else 0
 
@@ -368,16 +384,28 @@ def run_mode(cmd, opts) -> int:
 
 
 def resume_mode(torchrun, short, out: Path) -> int:
-    """torchrun stopped by SIGTERM after its first checkpoint, then the same command again: it resumes."""
-    cmd = [*torchrun, str(HERE / "ddp_train.py"), *short, "--save-every", "20", "--out-dir", str(out)]
-    proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """torchrun stopped by SIGTERM after its first checkpoint, then the same command again: it resumes, and ends
+    with bit for bit the weights of the same command run uninterrupted (1 when not)."""
+    import torch
+
+    cmd = [*torchrun, str(HERE / "ddp_train.py"), *short, "--save-every", "20"]
+    whole = subprocess.run([*cmd, "--out-dir", str(out / "whole")], cwd=HERE, capture_output=True, timeout=600)
+    proc = subprocess.Popen([*cmd, "--out-dir", str(out)], cwd=HERE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not (out / "checkpoint.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     proc.terminate()
     proc.wait(60)
-    again = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=600)
-    return again.returncode if "resumed from" in again.stdout else (again.returncode or 1)
+    again = subprocess.run([*cmd, "--out-dir", str(out)], cwd=HERE, capture_output=True, text=True, timeout=600)
+    if whole.returncode or again.returncode or "resumed from" not in again.stdout:
+        print(again.stdout[-1500:], again.stderr[-1500:], file=sys.stderr)
+        return whole.returncode or again.returncode or 1
+    a, b = (torch.load(d / "model.pt", weights_only=True) for d in (out, out / "whole"))
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    if differ:
+        print(f"resumed run differs from the uninterrupted one in {differ}", file=sys.stderr)
+    return 1 if differ else 0
 
 
 def rate_of(key: str) -> str:
