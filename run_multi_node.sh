@@ -277,7 +277,9 @@ code=0; wait "$pid" || code=$?
 # Let tee write the last of torchrun's stderr (2 s at most: a stray worker may hold the pipe open).
 for _ in {1..10}; do kill -0 "$tee_pid" 2>/dev/null || break; sleep 0.2; done
 if (( code != 0 )) && [[ -z "$signalled" ]]; then
-  if grep -q "RendezvousTimeoutError" "$errlog"; then
+  if grep -q "death signal" "$errlog"; then
+    why="torchrun was stopped by a signal; rerun the same command to continue from the last checkpoint"
+  elif grep -q "RendezvousTimeoutError" "$errlog"; then
     why="not all $NNODES nodes joined within ${TIMEOUT}s: start the same command on every node (same NNODES, MASTER_ADDR, MASTER_PORT, RDZV_ID)"
   elif grep -qE "RendezvousConnectionError|DistNetworkError|trying to connect to" "$errlog" && ! grep -q "ddp_train.py: " "$errlog"; then
     why="could not connect to the rendezvous at $MASTER_ADDR:$MASTER_PORT (see above)"

@@ -1293,6 +1293,7 @@ def torchrun_agent(launch: Launch) -> int:
     pytest.fail(f"no torchrun with two workers under {launch.cmd}\n{launch.stdout}\n{launch.stderr}")
 
 
+@pytest.mark.skipif("--shutdown-timeout" not in TORCHRUN_HELP, reason="torchrun's --shutdown-timeout: torch 2.12+")
 def test_sigterm_to_make_train_cpu_saves_a_checkpoint_that_takes_longer_than_torchruns_30_s(project, tmp_path):
     # A big model on a slow disk: the preemption checkpoint takes 35 s, past torchrun's default 30 s.
     # The same run twice at once: as make train-cpu launches it (SHUTDOWN_TIMEOUT 120 s), and with
