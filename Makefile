@@ -76,7 +76,7 @@ train-multinode: setup  ## on every node: make train-multinode NODE_RANK=1 MASTE
 	  ./run_multi_node.sh --out-dir $(out_dir) $(ARGS)
 
 test: setup  ## the whole test suite: real processes, two tests at a time (pytest-xdist)
-	$(PY) -m pytest -q $$($(PY) -c "import xdist" 2>/dev/null && echo -n 2) test_ddp_train.py
+	$(PY) -m pytest -q $$($(PY) -c "import xdist" 2>/dev/null && echo --numprocesses=2) test_ddp_train.py
 
 # PyPI's torch for Linux is a CUDA build (about 3 GB with its packages; it runs on the CPU). An exact version
 # asked for is installed even where a pip constraint file caps torch (PIP_CONSTRAINT).
