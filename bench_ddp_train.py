@@ -30,7 +30,6 @@ The baselines (3, 4, 6, 10, 12) are functions in this file; the bench runs itsel
 start them.
 
     python bench_ddp_train.py --gpu-modes     # make test-gpu's table: a short run in every GPU mode
-    python bench_ddp_train.py --count-ab      # the step count's variants, alternated inside one 2 x 1 job
 """
 
 from __future__ import annotations
@@ -47,9 +46,14 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TARGETS = {("ddp_1", "hand_1"): 0.95, ("ddp_2", "tutorial_2"): 1.10,  # from the issue on simpler machinery
-           ("digits_1", "digits_hand_1"): 0.95, ("digits_torch_1", "digits_torch_hand_1"): 0.95,
-           ("lm_1", "lm_hand_1"): 0.95, ("lm_2", "lm_hand_2"): 1.0}  # and from the language-model issue
+TARGETS = {
+    ("ddp_1", "hand_1"): 0.95,
+    ("ddp_2", "tutorial_2"): 1.10,  # from the issue on simpler machinery
+    ("digits_1", "digits_hand_1"): 0.95,
+    ("digits_torch_1", "digits_torch_hand_1"): 0.95,
+    ("lm_1", "lm_hand_1"): 0.95,
+    ("lm_2", "lm_hand_2"): 1.0,
+}  # and from the language-model issue
 
 
 # ---------------------------------------------------------------------------
@@ -61,8 +65,12 @@ def record(path, epoch, samples, seconds, first_step_at, device, tokens=None):
     """One metrics line, with the same memory figures ddp_train.py writes."""
     import torch
 
-    rec = {"epoch": epoch, "samples_per_sec": samples / seconds, "first_step_at": first_step_at,
-           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # as ddp_train.py: KiB
+    rec = {
+        "epoch": epoch,
+        "samples_per_sec": samples / seconds,
+        "first_step_at": first_step_at,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }  # as ddp_train.py: KiB
     if device.type == "cuda":
         rec["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     if tokens is not None:
@@ -129,11 +137,20 @@ def user_dataset_loop(opts):
     torch.manual_seed(0)
     train_set, _ = digits.build_datasets(args)
     model = digits.build_model(args).to(device)
-    loader = DataLoader(train_set, batch_size=opts.batch_size, shuffle=True, num_workers=opts.workers,
-                        persistent_workers=opts.workers > 0, pin_memory=device.type == "cuda")
+    loader = DataLoader(
+        train_set,
+        batch_size=opts.batch_size,
+        shuffle=True,
+        num_workers=opts.workers,
+        persistent_workers=opts.workers > 0,
+        pin_memory=device.type == "cuda",
+    )
 
     def epoch_batches(epoch):
-        return ((xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)) for xb, yb in loader)
+        return (
+            (xb.to(device, non_blocking=True), yb.to(device, non_blocking=True))
+            for xb, yb in loader
+        )
 
     plain_training(opts, model, epoch_batches, len(train_set), device)
 
@@ -155,15 +172,26 @@ def tinylm_loop(opts):
     distributed = "RANK" in os.environ
     if distributed:
         dist.init_process_group(backend="gloo")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if opts.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if opts.device == "cuda"
+        else torch.device("cpu")
+    )
     args = ddp_train.parse_args(["--seed", "0"])
     torch.manual_seed(0)
     train_set, _ = tinylm.build_datasets(args)
     model = tinylm.build_model(args).to(device)
     model = DDP(model) if distributed else model
     sampler = DistributedSampler(train_set) if distributed else None
-    loader = DataLoader(train_set, batch_size=opts.batch_size, shuffle=sampler is None, sampler=sampler,
-                        collate_fn=tinylm.collate_fn, num_workers=opts.workers, persistent_workers=opts.workers > 0)
+    loader = DataLoader(
+        train_set,
+        batch_size=opts.batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        collate_fn=tinylm.collate_fn,
+        num_workers=opts.workers,
+        persistent_workers=opts.workers > 0,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     first_step_at = None
     for epoch in range(opts.epochs):
@@ -173,8 +201,8 @@ def tinylm_loop(opts):
         for batch in loader:
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             optimizer.zero_grad(set_to_none=True)
-            loss_sum, count, _ = tinylm.compute_loss(model, batch)
-            (loss_sum / count).backward()
+            loss, count, _ = tinylm.compute_loss(model, batch)  # each rank's own token mean
+            loss.backward()
             optimizer.step()
             tokens += count
             if first_step_at is None:
@@ -185,7 +213,15 @@ def tinylm_loop(opts):
             dist.all_reduce(total)
             tokens = int(total)
         if not distributed or dist.get_rank() == 0:
-            record(opts.metrics, epoch + 1, len(train_set), time.perf_counter() - t0, first_step_at, device, tokens)
+            record(
+                opts.metrics,
+                epoch + 1,
+                len(train_set),
+                time.perf_counter() - t0,
+                first_step_at,
+                device,
+                tokens,
+            )
     del model, optimizer
     gc.collect()
     if distributed:
@@ -213,7 +249,9 @@ def tutorial_ddp(opts):
     torch.manual_seed(0)
     model = DDP(ddp_train.build_model(args))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = DataLoader(train_set, batch_size=opts.batch_size, shuffle=False, sampler=DistributedSampler(train_set))
+    loader = DataLoader(
+        train_set, batch_size=opts.batch_size, shuffle=False, sampler=DistributedSampler(train_set)
+    )
     first_step_at = None
     for epoch in range(opts.epochs):
         loader.sampler.set_epoch(epoch)
@@ -227,8 +265,14 @@ def tutorial_ddp(opts):
             if first_step_at is None:
                 first_step_at = time.time()
         if rank == 0:
-            record(opts.metrics, epoch + 1, len(loader.sampler) * dist.get_world_size(), time.perf_counter() - t0,
-                   first_step_at, torch.device("cpu"))
+            record(
+                opts.metrics,
+                epoch + 1,
+                len(loader.sampler) * dist.get_world_size(),
+                time.perf_counter() - t0,
+                first_step_at,
+                torch.device("cpu"),
+            )
     del model, optimizer
     gc.collect()
     dist.destroy_process_group()
@@ -252,10 +296,21 @@ CONFIGS = [  # (key, label, processes, program)
     ("lm_2", "ddp_train.py (tinylm), 2x1", 2, "lm"),
     ("lm_hand_2", "hand-written DDP (tinylm), 2x1", 2, "lm_hand"),
 ]
-RATIOS = [("ddp_1", "hand_1"), ("ddp_2", "tutorial_2"), ("ddp_2", "ddp_1"), ("digits_1", "digits_hand_1"),
-          ("digits_torch_1", "digits_torch_hand_1"), ("lm_1", "lm_hand_1"), ("lm_2", "lm_hand_2")]
-BASELINES = {"hand": hand_written_loop, "tutorial": tutorial_ddp, "digits_hand": user_dataset_loop,
-             "lm_hand": tinylm_loop}
+RATIOS = [
+    ("ddp_1", "hand_1"),
+    ("ddp_2", "tutorial_2"),
+    ("ddp_2", "ddp_1"),
+    ("digits_1", "digits_hand_1"),
+    ("digits_torch_1", "digits_torch_hand_1"),
+    ("lm_1", "lm_hand_1"),
+    ("lm_2", "lm_hand_2"),
+]
+BASELINES = {
+    "hand": hand_written_loop,
+    "tutorial": tutorial_ddp,
+    "digits_hand": user_dataset_loop,
+    "lm_hand": tinylm_loop,
+}
 # examples/tinylm.py with a smaller training set, as a user shrinks it: its module constants, set first.
 TINYLM_SCRIPT = """import sys
 sys.path[:0] = [{here!r}, {examples!r}]
@@ -273,18 +328,41 @@ def command(opts, nproc, program, metrics: Path) -> list[str]:
     else:
         common += ["--num-samples", str(opts.num_samples)]
     if program in ("ddp_train", "digits", "lm"):
-        trainer = {"ddp_train": HERE / "ddp_train.py", "digits": HERE / "examples/digits.py",
-                   "lm": metrics.parent / "tinylm_run.py"}[program]
+        trainer = {
+            "ddp_train": HERE / "ddp_train.py",
+            "digits": HERE / "examples/digits.py",
+            "lm": metrics.parent / "tinylm_run.py",
+        }[program]
         if program == "lm":
-            trainer.write_text(TINYLM_SCRIPT.format(here=str(HERE), examples=str(HERE / "examples"),
-                                                    samples=opts.lm_samples))
+            trainer.write_text(
+                TINYLM_SCRIPT.format(
+                    here=str(HERE), examples=str(HERE / "examples"), samples=opts.lm_samples
+                )
+            )
         script = [str(trainer), *common, "--out-dir", str(metrics.parent), "--resume", "never"]
     else:
-        script = [str(HERE / "bench_ddp_train.py"), "--baseline", program, *common, "--metrics", str(metrics),
-                  "--lm-samples", str(opts.lm_samples), "--device", opts.device]
+        script = [
+            str(HERE / "bench_ddp_train.py"),
+            "--baseline",
+            program,
+            *common,
+            "--metrics",
+            str(metrics),
+            "--lm-samples",
+            str(opts.lm_samples),
+            "--device",
+            opts.device,
+        ]
     if nproc == 1:
         return [sys.executable, *script]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *script]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--standalone",
+        *script,
+    ]
 
 
 def run_once(opts, key, nproc, program, workdir: Path) -> dict:
@@ -300,15 +378,26 @@ def run_once(opts, key, nproc, program, workdir: Path) -> dict:
     if opts.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     launched = time.time()
-    proc = subprocess.run(command(opts, nproc, program, metrics), env=env, cwd=HERE, capture_output=True,
-                          text=True, timeout=opts.timeout)
+    proc = subprocess.run(
+        command(opts, nproc, program, metrics),
+        env=env,
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=opts.timeout,
+    )
     if proc.returncode != 0 or not metrics.exists():
-        sys.exit(f"bench_ddp_train.py: {key} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        sys.exit(
+            f"bench_ddp_train.py: {key} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        )
     epochs = [json.loads(line) for line in metrics.read_text().splitlines()]
     steady = epochs[1:] or epochs[:1]
-    return {"samples_per_sec": statistics.median(e["samples_per_sec"] for e in steady),
-            "tokens_per_sec": statistics.median(e.get("tokens_per_sec", 0.0) for e in steady),
-            "first_step_s": epochs[0]["first_step_at"] - launched, "peak_rss_mb": max(e["peak_rss_mb"] for e in epochs)}
+    return {
+        "samples_per_sec": statistics.median(e["samples_per_sec"] for e in steady),
+        "tokens_per_sec": statistics.median(e.get("tokens_per_sec", 0.0) for e in steady),
+        "first_step_s": epochs[0]["first_step_at"] - launched,
+        "peak_rss_mb": max(e["peak_rss_mb"] for e in epochs),
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -334,50 +423,119 @@ def gpu_modes(opts) -> int:
     # 64 per GPU and step, plus one sample: an uneven last step (rank 0 alone gets the extra sample).
     uneven = str(64 * gpus * 40 + 1)
     short = ["--epochs", "2", "--num-samples", "32768", "--eval-samples", "1024"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={gpus}",
+    ]
     ddp_train = str(HERE / "ddp_train.py")
     two = "" if gpus >= 2 else "needs 2 GPUs: SyncBatchNorm syncs nothing in one process"
-    modes = [("1 GPU", [sys.executable, ddp_train, *short], ""),
-             (f"torchrun, {gpus} GPU(s)", [*torchrun, ddp_train, *short], ""),
-             ("--amp bf16", [*torchrun, ddp_train, *short, "--amp", "bf16"], ""),
-             ("--amp fp16", [*torchrun, ddp_train, *short, "--amp", "fp16"], ""),
-             ("--compile", [*torchrun, ddp_train, *short, "--compile"], ""),
-             ("--sync-bn, uneven last step", [*torchrun, ddp_train, "--epochs", "2", "--num-samples", uneven,
-                                              "--batch-norm", "--sync-bn"], two),
-             ("--sync-bn --compile", [*torchrun, ddp_train, "--epochs", "2", "--num-samples", uneven, "--batch-norm",
-                                      "--sync-bn", "--compile"], two),
-             ("--grad-accum 2", [*torchrun, ddp_train, *short, "--grad-accum", "2"], ""),
-             ("digits, --workers 2", [*torchrun, str(HERE / "examples/digits.py"), "--epochs", "2", "--workers", "2"],
-              ""),
-             ("tinylm, --amp bf16", [*torchrun, str(HERE / "examples/tinylm.py"), "--epochs", "1", "--batch-size", "16",
-                                     "--amp", "bf16"], ""),
-             ("SIGTERM, resume: bit-identical", None, "")]
+    modes = [
+        ("1 GPU", [sys.executable, ddp_train, *short], ""),
+        (f"torchrun, {gpus} GPU(s)", [*torchrun, ddp_train, *short], ""),
+        ("--amp bf16", [*torchrun, ddp_train, *short, "--amp", "bf16"], ""),
+        ("--amp fp16", [*torchrun, ddp_train, *short, "--amp", "fp16"], ""),
+        ("--compile", [*torchrun, ddp_train, *short, "--compile"], ""),
+        (
+            "--sync-bn, uneven last step",
+            [
+                *torchrun,
+                ddp_train,
+                "--epochs",
+                "2",
+                "--num-samples",
+                uneven,
+                "--batch-norm",
+                "--sync-bn",
+            ],
+            two,
+        ),
+        (
+            "--sync-bn --compile",
+            [
+                *torchrun,
+                ddp_train,
+                "--epochs",
+                "2",
+                "--num-samples",
+                uneven,
+                "--batch-norm",
+                "--sync-bn",
+                "--compile",
+            ],
+            two,
+        ),
+        ("--grad-accum 2", [*torchrun, ddp_train, *short, "--grad-accum", "2"], ""),
+        (
+            "digits, --workers 2",
+            [*torchrun, str(HERE / "examples/digits.py"), "--epochs", "2", "--workers", "2"],
+            "",
+        ),
+        (
+            "tinylm, --amp bf16",
+            [
+                *torchrun,
+                str(HERE / "examples/tinylm.py"),
+                "--epochs",
+                "1",
+                "--batch-size",
+                "16",
+                "--amp",
+                "bf16",
+            ],
+            "",
+        ),
+        ("SIGTERM, resume: bit-identical", None, ""),
+    ]
     failed = 0
-    print(f"{name} x {gpus}, torch {torch.__version__}; MFU against {peaks or 'no known peak'} TFLOP/s (bf16/fp16, "
-          f"fp32)\n")
+    print(
+        f"{name} x {gpus}, torch {torch.__version__}; MFU against {peaks or 'no known peak'} TFLOP/s (bf16/fp16, "
+        f"fp32)\n"
+    )
     print(f"{'mode':<32} {'exit':>5} {'samples/s':>12} {'MFU':>7} {'peak GPU mem':>13}")
     with tempfile.TemporaryDirectory(prefix="gpu_modes-") as workdir:
         for label, cmd, skip in modes:
             if skip:
                 print(f"{label:<32} {'-':>5}  skipped: {skip}", flush=True)
                 continue
-            out = Path(workdir) / label.replace(" ", "_").replace(",", "").replace("-", "").replace(":", "")
-            if peaks and cmd and "tinylm" not in label:  # (tinylm's attention is not all counted on every torch)
+            out = Path(workdir) / label.replace(" ", "_").replace(",", "").replace("-", "").replace(
+                ":", ""
+            )
+            if (
+                peaks and cmd and "tinylm" not in label
+            ):  # (tinylm's attention is not all counted on every torch)
                 cmd = [*cmd, "--peak-tflops", str(peaks[0] if "--amp" in cmd else peaks[1])]
-            code = resume_mode(torchrun, short, out) if cmd is None else run_mode([*cmd, "--out-dir", str(out)], opts)
+            code = (
+                resume_mode(torchrun, short, out)
+                if cmd is None
+                else run_mode([*cmd, "--out-dir", str(out)], opts)
+            )
             failed += code != 0
-            last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1:] \
-                if (out / "metrics.jsonl").exists() else [{}]
+            last = (
+                [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1:]
+                if (out / "metrics.jsonl").exists()
+                else [{}]
+            )
             m = last[0]
             mfu = f"{100 * m['mfu']:.1f}%" if "mfu" in m else "-"
-            print(f"{label:<32} {code:>5} {m.get('samples_per_sec', 0):>12,.0f} {mfu:>7} "
-                  f"{m.get('peak_gpu_mem_mb', 0):>10,.0f} MB", flush=True)
+            print(
+                f"{label:<32} {code:>5} {m.get('samples_per_sec', 0):>12,.0f} {mfu:>7} "
+                f"{m.get('peak_gpu_mem_mb', 0):>10,.0f} MB",
+                flush=True,
+            )
     return 1 if failed else 0
 
 
 def run_mode(cmd, opts) -> int:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, timeout=opts.timeout)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+    )
+    proc = subprocess.run(
+        cmd, env=env, cwd=HERE, capture_output=True, text=True, timeout=opts.timeout
+    )
     if proc.returncode:
         print(proc.stderr[-1500:], file=sys.stderr)
     return proc.returncode
@@ -389,15 +547,25 @@ def resume_mode(torchrun, short, out: Path) -> int:
     import torch
 
     cmd = [*torchrun, str(HERE / "ddp_train.py"), *short, "--save-every", "20"]
-    whole = subprocess.run([*cmd, "--out-dir", str(out / "whole")], cwd=HERE, capture_output=True, timeout=600)
-    proc = subprocess.Popen([*cmd, "--out-dir", str(out)], cwd=HERE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    whole = subprocess.run(
+        [*cmd, "--out-dir", str(out / "whole")], cwd=HERE, capture_output=True, timeout=600
+    )
+    proc = subprocess.Popen(
+        [*cmd, "--out-dir", str(out)],
+        cwd=HERE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 300
-    while not (out / "checkpoint.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
+    while (
+        not (out / "checkpoint.pt").exists() and proc.poll() is None and time.monotonic() < deadline
+    ):
         time.sleep(0.05)
     proc.terminate()
     proc.wait(60)
-    again = subprocess.run([*cmd, "--out-dir", str(out)], cwd=HERE, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        [*cmd, "--out-dir", str(out)], cwd=HERE, capture_output=True, text=True, timeout=600
+    )
     if whole.returncode or again.returncode or "resumed from" not in again.stdout:
         print(again.stdout[-1500:], again.stderr[-1500:], file=sys.stderr)
         return whole.returncode or again.returncode or 1
@@ -413,11 +581,6 @@ def rate_of(key: str) -> str:
     return "tokens_per_sec" if key.startswith("lm") else "samples_per_sec"
 
 
-def step_samples(step: int, job) -> int:
-    """A step's samples over all ranks: the global batch, or what is left in the epoch's last step."""
-    return min(len(job.sampler.dataset), (step + 1) * job.global_batch) - step * job.global_batch
-
-
 def spread(values, fmt) -> str:
     if len(values) == 1:
         return fmt(values[0])
@@ -425,108 +588,99 @@ def spread(values, fmt) -> str:
 
 
 # ---------------------------------------------------------------------------
-# The step's count, A/B: blocks of bare DDP steps alternated between variants inside one torchrun 2 x 1
-# job, so that the machine's drift and the processes' start-up fall on every variant alike.
+# The size of ddp_train.py: code tokens, as Python's tokenizer finds them
 # ---------------------------------------------------------------------------
 
 
-def count_ab(opts) -> int:
-    """python bench_ddp_train.py --count-ab [--old OLD_DDP_TRAIN.PY]: starts the workers below."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           "--count-ab-worker", "--rounds", str(opts.rounds), *(["--old", opts.old] if opts.old else [])]
-    return subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(HERE)}, timeout=opts.timeout * 3).returncode
+def code_tokens(path=HERE / "ddp_train.py") -> dict:
+    """The file's code tokens (Python's tokenize, without comments, strings, newlines, indentation and f-string
+    parts: what a reader has to read as code, whatever the formatting), the lesson's (the tokens above the line
+    "THE LESSON ENDS HERE"), and the names defined below that line which the lesson uses."""
+    import ast
+    import io
+    import tokenize
 
-
-def count_ab_worker(opts) -> int:
-    import importlib.util
-    import random
-
-    import torch.distributed as dist
-
-    import ddp_train
-
-    class Blocking:  # the count's all-reduce after backward, waited for at once
-        def __init__(self, ctx):
-            self.ctx = ctx
-
-        def start(self, count, samples):
-            self.count = ddp_train.count_tensor(count, self.ctx.device)
-
-        def total(self):
-            dist.all_reduce(self.count)
-            return float(self.count)
-
-    def built(module, args, ctx):  # train()'s job, without its training loop
-        got = {}
-        module.train_loop = lambda job, progress, checkpoints: got.setdefault("job", job) and 0
-        module.train(args, ctx, module.Agreement(ctx, args))
-        return got["job"]
-
-    with tempfile.TemporaryDirectory(prefix="count_ab-") as out:
-        argv = ["--out-dir", out, "--resume", "never", "--log-seconds", "0", "--save-minutes", "0", "--batch-size",
-                "32", "--no-count-flops"]
-        args = ddp_train.parse_args(argv)
-        ctx = ddp_train.init_distributed(args)
-        job = built(ddp_train, args, ctx)
-        variants = {"samples: known from the plan, no communication (ddp_train.py)": (ddp_train, job, None),
-                    "tokens: an async all-reduce beside the last backward (ddp_train.py)": (ddp_train, job, None),
-                    "the same all-reduce, blocking, after backward": (ddp_train, job, Blocking(ctx)),
-                    "ddp_train.py (samples) without the agreement's vote": (ddp_train, job, None)}
-        if opts.old:  # an earlier ddp_train.py, in the same processes (git show REV:ddp_train.py > old.py)
-            spec = importlib.util.spec_from_file_location("old_ddp_train", opts.old)
-            old = sys.modules["old_ddp_train"] = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(old)
-            old_args = old.parse_args([*argv, "--out-dir", f"{out}/old"])
-            variants[f"{opts.old}"] = (old, built(old, old_args, ctx), None)
-        own = {name: v[1].step_count for name, v in variants.items()}
-        times = {name: [] for name in variants}
-        order = [name for _ in range(opts.rounds * 3) for name in variants]
-        random.Random(0).shuffle(order)  # the same order on every rank
-        for name in [*variants, *order]:  # a first, untimed block of each: warm
-            module, job_of, swap = variants[name]
-            job_of.step_count = swap or own[name]
-            ddp_train.COUNT_UNIT = "tokens" if name.startswith("tokens") else "samples"  # tokens: the all-reduce
-            steps = module.plan_steps(module.my_share(job_of.sampler, ctx), job_of)[:100]
-            data, stats = job_of.train_data.batches([mb for s in steps for mb in s], 0), module.EpochStats(ctx, "off")
-            dist.barrier()
-            started = time.perf_counter()
-            for i, step in enumerate(steps):
-                planned = [step_samples(i, job_of)] if module is ddp_train else []  # (older: none)
-                module.train_step(job_of, data, len(step), *planned, stats)
-                if "without the agreement" not in name:
-                    job_of.agreement.decide(i + 1)
-            trained = sum(step_samples(i, job_of) for i in range(len(steps)))
-            stats.fold(module.Progress(samples=trained))  # (the plan's samples: what the counts must add up to)
-            times[name].append((time.perf_counter() - started) / len(steps) * 1e3)
-        if ctx.is_main:
-            title = "the step count, default task, torchrun 2 x 1, 32/process"
-            print(f"{title:<72} {'ms per step, median (min-max)':>30}")
-            for name, ms in times.items():
-                print(f"{name:<72} {spread(ms[1:], lambda v: f'{v:.2f}'):>30}")
-        for _, job_of, _ in variants.values():
-            job_of.agreement.close()
-        del variants, job, job_of, own
-        ddp_train.cleanup_distributed(ctx)
-    return 0
+    source = Path(path).read_text()
+    skip = {
+        tokenize.COMMENT,
+        tokenize.STRING,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENDMARKER,
+    }
+    skip |= {
+        getattr(tokenize, n)
+        for n in ("FSTRING_START", "FSTRING_MIDDLE", "FSTRING_END")
+        if hasattr(tokenize, n)
+    }
+    tokens = [
+        t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type not in skip
+    ]
+    divider = next(
+        i for i, line in enumerate(source.splitlines(), 1) if "THE LESSON ENDS HERE" in line
+    )
+    tree = ast.parse(source)
+    below = set()  # the functions, classes and constants defined below the divider
+    for node in tree.body[::-1]:
+        if node.lineno < divider:
+            break
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            below.add(node.name)
+        elif isinstance(node, ast.Assign):
+            below |= {
+                n.id for target in node.targets for n in ast.walk(target) if isinstance(n, ast.Name)
+            }
+    used = {
+        n.id
+        for node in tree.body
+        if node.lineno < divider
+        for n in ast.walk(node)
+        if isinstance(n, ast.Name) and n.id in below
+    }
+    return {
+        "total": len(tokens),
+        "lesson": sum(t.start[0] < divider for t in tokens),
+        "names": sorted(used),
+    }
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="one short round (4,096 samples, 2 epochs)")
-    p.add_argument("--rounds", type=int, default=10, help="interleaved rounds (on a noisy machine, fewer rounds give unsteady medians)")
-    p.add_argument("--epochs", type=int, default=6, help="epochs per run; the first is excluded as warm-up")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=10,
+        help="interleaved rounds (on a noisy machine, fewer rounds give unsteady medians)",
+    )
+    p.add_argument(
+        "--epochs", type=int, default=6, help="epochs per run; the first is excluded as warm-up"
+    )
     p.add_argument("--num-samples", type=int, default=32768)
     p.add_argument("--batch-size", type=int, default=64, help="per process")
-    p.add_argument("--workers", type=int, default=0,
-                   help="DataLoader workers of the user-Dataset pairs (5-8): ddp_train.py --workers, num_workers")
-    p.add_argument("--lm-samples", type=int, default=400, help="examples/tinylm.py's training set (functions)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="DataLoader workers of the user-Dataset pairs (5-8): ddp_train.py --workers, num_workers",
+    )
+    p.add_argument(
+        "--lm-samples", type=int, default=400, help="examples/tinylm.py's training set (functions)"
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--timeout", type=float, default=600, help="seconds for any one run")
-    p.add_argument("--gpu-modes", action="store_true", help="make test-gpu: a short run in every GPU mode, as a table")
-    p.add_argument("--count-ab", action="store_true", help="A/B of the step's count: blocks of steps alternated in "
-                   "one torchrun 2 x 1 job (--rounds x 3 blocks of 100 steps each)")
-    p.add_argument("--old", help="with --count-ab: an earlier ddp_train.py to compare too")
-    p.add_argument("--count-ab-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--gpu-modes",
+        action="store_true",
+        help="make test-gpu: a short run in every GPU mode, as a table",
+    )
+    p.add_argument(
+        "--size", action="store_true", help="ddp_train.py's size in code tokens, and its lesson's"
+    )
     p.add_argument("--baseline", choices=tuple(BASELINES), help=argparse.SUPPRESS)
     p.add_argument("--metrics", help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
@@ -535,8 +689,13 @@ def main(argv=None):
         return BASELINES[opts.baseline](opts)
     if opts.gpu_modes:
         return gpu_modes(opts)
-    if opts.count_ab or opts.count_ab_worker:
-        return count_ab_worker(opts) if opts.count_ab_worker else count_ab(opts)
+    if opts.size:
+        size = code_tokens()
+        print(
+            f"ddp_train.py: {size['total']:,} code tokens; the lesson {size['lesson']:,}, using "
+            f"{len(size['names'])} names of the machinery: {', '.join(size['names'])}"
+        )
+        return 0
     if opts.quick:
         opts.rounds, opts.epochs, opts.num_samples, opts.lm_samples = 1, 2, 4096, 32
 
@@ -549,10 +708,13 @@ def main(argv=None):
         if torch.cuda.device_count() < 2:  # two processes need two GPUs
             configs = [c for c in CONFIGS if c[2] == 1]
     where = torch.cuda.get_device_name() if opts.device == "cuda" else f"{os.cpu_count()} CPU cores"
-    print(f"workload: batch {opts.batch_size}/process, {opts.epochs} epochs (first excluded), "
-          f"{opts.rounds} interleaved round(s); torch {torch.__version__}, {where}\n"
-          f"  data: {opts.num_samples:,} in-memory samples; your Dataset: examples/digits.py's training set, "
-          f"{opts.workers} DataLoader worker(s)", flush=True)
+    print(
+        f"workload: batch {opts.batch_size}/process, {opts.epochs} epochs (first excluded), "
+        f"{opts.rounds} interleaved round(s); torch {torch.__version__}, {where}\n"
+        f"  data: {opts.num_samples:,} in-memory samples; your Dataset: examples/digits.py's training set, "
+        f"{opts.workers} DataLoader worker(s)",
+        flush=True,
+    )
 
     results = {key: [] for key, *_ in configs}
     with tempfile.TemporaryDirectory(prefix="bench_ddp_train-") as workdir:
@@ -561,23 +723,31 @@ def main(argv=None):
                 results[key].append(run_once(opts, key, nproc, program, Path(workdir)))
             print(f"  round {round_no + 1}/{opts.rounds} done", flush=True)
 
-    print(f"\n{'configuration':<34} {'samples/s (tinylm: tokens/s), median (min-max)':>46} {'launch->first step':>22} "
-          f"{'peak RSS/process':>17}")
+    print(
+        f"\n{'configuration':<34} {'samples/s (tinylm: tokens/s), median (min-max)':>46} {'launch->first step':>22} "
+        f"{'peak RSS/process':>17}"
+    )
     for key, label, *_ in configs:
         runs, rate = results[key], rate_of(key)
-        print(f"{label:<34} {spread([r[rate] for r in runs], lambda v: f'{v:,.0f}'):>46} "
-              f"{spread([r['first_step_s'] for r in runs], lambda v: f'{v:.2f} s'):>22} "
-              f"{spread([r['peak_rss_mb'] for r in runs], lambda v: f'{v:.0f} MB'):>17}")
+        print(
+            f"{label:<34} {spread([r[rate] for r in runs], lambda v: f'{v:,.0f}'):>46} "
+            f"{spread([r['first_step_s'] for r in runs], lambda v: f'{v:.2f} s'):>22} "
+            f"{spread([r['peak_rss_mb'] for r in runs], lambda v: f'{v:.0f} MB'):>17}"
+        )
     print(f"\n{'ratio (per round)':<70} {'median (min-max)':>20} {'target':>8}")
     labels = {key: label for key, label, *_ in configs}
     for a, b in RATIOS:
         if a in results and b in results:
             ratios = [x[rate_of(a)] / y[rate_of(b)] for x, y in zip(results[a], results[b])]
             target = f">= {TARGETS[a, b]:.2f}" if (a, b) in TARGETS else ""
-            print(f"{labels[a] + ' / ' + labels[b]:<70} {spread(ratios, lambda v: f'{v:.2f}x'):>20} {target:>8}")
+            print(
+                f"{labels[a] + ' / ' + labels[b]:<70} {spread(ratios, lambda v: f'{v:.2f}x'):>20} {target:>8}"
+            )
     if opts.quick:
-        print("\n--quick measures one short epoch per configuration: it checks that everything runs; its figures\n"
-              "swing with the machine's noise. Without --quick the figures are medians over interleaved rounds.")
+        print(
+            "\n--quick measures one short epoch per configuration: it checks that everything runs; its figures\n"
+            "swing with the machine's noise. Without --quick the figures are medians over interleaved rounds."
+        )
 
 
 if __name__ == "__main__":

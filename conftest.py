@@ -47,7 +47,11 @@ CORES = len(os.sched_getaffinity(0))
 def pytest_collection_modifyitems(items):
     """The two-host and SLURM tests first: they are the longest and wait the most, so that under
     pytest-xdist they overlap with the rest instead of leaving one worker running them at the end."""
-    items.sort(key=lambda item: not (item.get_closest_marker("multinode") or item.get_closest_marker("slurm")))
+    items.sort(
+        key=lambda item: not (
+            item.get_closest_marker("multinode") or item.get_closest_marker("slurm")
+        )
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -63,9 +67,20 @@ def clean_env(**extra) -> dict:
     """The test's environment without any launcher's variables, plus `extra` (None: unset it).
     One thread per process unless a test says otherwise: the suite runs two tests at a time, and
     OpenMP threads that spin-wait for a core another test holds make a run 10x slower."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in
-           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_"))
+        and k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
+    }
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     for k, v in extra.items():
         if v is None:
@@ -92,10 +107,20 @@ class Launch:
     manager: on exit the whole group is killed, whatever happened."""
 
     def __init__(self, cmd, log_dir: Path, name="run", env=None, cwd=None):
-        self.cmd, self.out_path, self.err_path = [str(c) for c in cmd], log_dir / f"{name}.out", log_dir / f"{name}.err"
+        self.cmd, self.out_path, self.err_path = (
+            [str(c) for c in cmd],
+            log_dir / f"{name}.out",
+            log_dir / f"{name}.err",
+        )
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=err, env=env or clean_env(),
-                                         cwd=cwd or ROOT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=out,
+                stderr=err,
+                env=env or clean_env(),
+                cwd=cwd or ROOT,
+                start_new_session=True,
+            )
 
     @property
     def stdout(self) -> str:
@@ -110,7 +135,9 @@ class Launch:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            pytest.fail(f"timed out after {timeout}s: {' '.join(self.cmd)}\n{self.stdout}\n{self.stderr}")
+            pytest.fail(
+                f"timed out after {timeout}s: {' '.join(self.cmd)}\n{self.stdout}\n{self.stderr}"
+            )
 
     def kill(self):
         try:
@@ -123,7 +150,9 @@ class Launch:
         deadline = time.monotonic() + timeout
         while not predicate():
             if self.proc.poll() is not None:
-                pytest.fail(f"exited ({self.proc.returncode}) before {what}\n{self.stdout}\n{self.stderr}")
+                pytest.fail(
+                    f"exited ({self.proc.returncode}) before {what}\n{self.stdout}\n{self.stderr}"
+                )
             if time.monotonic() > deadline:
                 pytest.fail(f"no {what} within {timeout}s\n{self.stdout}\n{self.stderr}")
             time.sleep(0.005)
@@ -148,7 +177,12 @@ class Result:
     """What a run left: its exit code, output and out_dir (metrics and final weights read on demand)."""
 
     def __init__(self, returncode: int, stdout: str, stderr: str, out_dir: Path):
-        self.returncode, self.stdout, self.stderr, self.out_dir = returncode, stdout, stderr, out_dir
+        self.returncode, self.stdout, self.stderr, self.out_dir = (
+            returncode,
+            stdout,
+            stderr,
+            out_dir,
+        )
 
     @classmethod
     def of(cls, launch: Launch, out_dir: Path) -> "Result":
@@ -156,7 +190,9 @@ class Result:
 
     @property
     def metrics(self) -> list[dict]:
-        return [json.loads(line) for line in (self.out_dir / "metrics.jsonl").read_text().splitlines()]
+        return [
+            json.loads(line) for line in (self.out_dir / "metrics.jsonl").read_text().splitlines()
+        ]
 
     @property
     def weights(self) -> dict:
@@ -171,11 +207,22 @@ def python_cmd(*args, script=SCRIPT):
 
 
 def torchrun_cmd(nproc, *args, launcher_args=(), script=SCRIPT):
-    return [PY, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-            "--rdzv-endpoint=localhost:0", *launcher_args, script, *args]
+    return [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=localhost:0",
+        *launcher_args,
+        script,
+        *args,
+    ]
 
 
-def run(cmd, tmp_path: Path, out="out", name=None, env=None, cwd=None, timeout=TIMEOUT, expect=0) -> Result:
+def run(
+    cmd, tmp_path: Path, out="out", name=None, env=None, cwd=None, timeout=TIMEOUT, expect=0
+) -> Result:
     """Launch `cmd` (ddp_train.py's args get --out-dir tmp_path/out), wait, check the exit code."""
     out_dir = tmp_path / out
     name = name or out
@@ -195,7 +242,9 @@ def assert_same_weights(a: dict, b: dict, exact=False):
         if exact:
             assert torch.equal(a[k], b[k]), f"{k} differs (max {(a[k] - b[k]).abs().max():.3g})"
         else:
-            assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5), f"{k} differs by up to {(a[k] - b[k]).abs().max():.3g}"
+            assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5), (
+                f"{k} differs by up to {(a[k] - b[k]).abs().max():.3g}"
+            )
 
 
 def assert_same_run(a: dict, b: dict):
@@ -204,7 +253,9 @@ def assert_same_run(a: dict, b: dict):
     may drift by ~1e-4 while every tensor stays within 1e-4 relative norm. A resume that is one
     batch off lands near 3e-2."""
     for k in a:
-        assert (a[k] - b[k]).norm() <= 1e-3 * b[k].norm(), f"{k} differs by {(a[k] - b[k]).norm() / b[k].norm():.2g} (relative norm)"
+        assert (a[k] - b[k]).norm() <= 1e-3 * b[k].norm(), (
+            f"{k} differs by {(a[k] - b[k]).norm() / b[k].norm():.2g} (relative norm)"
+        )
 
 
 @contextlib.contextmanager
@@ -227,7 +278,9 @@ def reference(tmp_path_factory):
     tests compare against, made once per session (by whichever xdist worker asks first)."""
 
     def get(cmd, **env):
-        key = hashlib.sha256("\0".join(map(str, [*cmd, *sorted(env.items())])).encode()).hexdigest()[:12]
+        key = hashlib.sha256(
+            "\0".join(map(str, [*cmd, *sorted(env.items())])).encode()
+        ).hexdigest()[:12]
         with shared(tmp_path_factory, f"reference-{key}") as d:
             if not (d / "done").exists():
                 run(cmd, d, env=clean_env(**env))
@@ -242,14 +295,18 @@ def default_args(*argv):
 
 
 def assert_only_rank0_files(out_dir: Path):
-    assert sorted(p.name for p in out_dir.iterdir()) == sorted(["checkpoint.pt", "checkpoint.prev.pt", "metrics.jsonl", "model.pt"])
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(
+        ["checkpoint.pt", "checkpoint.prev.pt", "metrics.jsonl", "model.pt"]
+    )
 
 
 def fresh_clone(directory: Path) -> Path:
     """directory/repo: what a fresh clone holds to train (the Makefile, the scripts, examples/), its .venv
     set up for make: this interpreter, and .ready newer than the Makefile. Launch commands with cwd=repo."""
     repo = directory / "repo"
-    shutil.copytree(ROOT / "examples", repo / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "examples", repo / "examples", ignore=shutil.ignore_patterns("__pycache__")
+    )
     for name in ("Makefile", "ddp_train.py", "run_single.sh", "run_multi_node.sh"):
         shutil.copy(ROOT / name, repo)
     python = repo / ".venv" / "bin" / "python"
@@ -272,7 +329,11 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
         try:
             ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
             if ppid == agent_pid:
-                env = dict(kv.split("=", 1) for kv in (proc / "environ").read_text().split("\0") if "=" in kv)
+                env = dict(
+                    kv.split("=", 1)
+                    for kv in (proc / "environ").read_text().split("\0")
+                    if "=" in kv
+                )
                 found[int(env["LOCAL_RANK"])] = int(proc.name)
         except (OSError, ValueError, IndexError, KeyError):
             continue
@@ -281,7 +342,9 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
 
 def resumed_at(stdout: str) -> tuple[int, int]:
     """(step within the epoch, optimizer steps done) from the 'resumed from' line."""
-    m = re.search(r"resumed from .* at epoch \d+, step (\d+)/\d+ \((\d+) optimizer steps done", stdout)
+    m = re.search(
+        r"resumed from .* at epoch \d+, step (\d+)/\d+ \((\d+) optimizer steps done", stdout
+    )
     assert m, stdout
     return int(m.group(1)), int(m.group(2))
 
@@ -303,11 +366,26 @@ class Host:
 
     def command(self, *argv, hostname=None):
         # `ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts; unshare gives a hostname of its own.
-        return ["ip", "netns", "exec", self.ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
-                hostname or self.hostname, *map(str, argv)]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.ns,
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            hostname or self.hostname,
+            *map(str, argv),
+        ]
 
     def kill_all(self):
-        send(subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True).stdout.split())
+        send(
+            subprocess.run(
+                ["ip", "netns", "pids", self.ns], capture_output=True, text=True
+            ).stdout.split()
+        )
 
 
 def sh(*argv):
@@ -322,13 +400,16 @@ def two_hosts():
         pytest.skip("two hosts need root, iproute2 and unshare (network and UTS namespaces)")
     tag = f"{os.getpid() % 100000}{random.randrange(100)}"
     subnet = f"10.231.{random.randrange(1, 255)}"
-    hosts = [Host(f"ddp{tag}n{i}", f"{subnet}.{i + 1}", f"vd{tag}n{i}", f"node{i}") for i in range(2)]
+    hosts = [
+        Host(f"ddp{tag}n{i}", f"{subnet}.{i + 1}", f"vd{tag}n{i}", f"node{i}") for i in range(2)
+    ]
     try:
         for h in hosts:
             sh("ip", "netns", "add", h.ns)
             os.makedirs(f"/etc/netns/{h.ns}", exist_ok=True)
             Path(f"/etc/netns/{h.ns}/hosts").write_text(
-                "127.0.0.1 localhost\n" + "".join(f"{x.addr} {x.hostname}\n" for x in hosts))
+                "127.0.0.1 localhost\n" + "".join(f"{x.addr} {x.hostname}\n" for x in hosts)
+            )
         sh("ip", "link", "add", hosts[0].ifname, "type", "veth", "peer", "name", hosts[1].ifname)
         for h in hosts:
             sh("ip", "link", "set", h.ifname, "netns", h.ns)
@@ -353,14 +434,29 @@ def remove_hosts(hosts):
 
 def node_env(hosts, node_rank, port, **extra):
     """run_multi_node.sh's settings for one of the two hosts; `extra` overrides them."""
-    settings = dict(PYTHON=PY, NNODES=2, NODE_RANK=node_rank, MASTER_ADDR=hosts[0].addr, MASTER_PORT=port,
-                    NPROC_PER_NODE=2, IFNAME=hosts[node_rank].ifname, TIMEOUT=30)
+    settings = dict(
+        PYTHON=PY,
+        NNODES=2,
+        NODE_RANK=node_rank,
+        MASTER_ADDR=hosts[0].addr,
+        MASTER_PORT=port,
+        NPROC_PER_NODE=2,
+        IFNAME=hosts[node_rank].ifname,
+        TIMEOUT=30,
+    )
     return clean_env(**{**settings, **extra})
 
 
 def start_nodes(hosts, tmp_path, args, port, name="node", hostname=None, **extra):
-    return [Launch(hosts[i].command(RUN_MULTI, *args, hostname=hostname), tmp_path, f"{name}{i}",
-                   env=node_env(hosts, i, port, **extra)) for i in range(2)]
+    return [
+        Launch(
+            hosts[i].command(RUN_MULTI, *args, hostname=hostname),
+            tmp_path,
+            f"{name}{i}",
+            env=node_env(hosts, i, port, **extra),
+        )
+        for i in range(2)
+    ]
 
 
 def last_line(text: str) -> str:
@@ -447,7 +543,7 @@ def compute_loss(model, batch):
     images, labels = batch
     if not model.training:
         logits = model(images)
-        return F.cross_entropy(logits, labels, reduction="sum"), len(labels), {"accuracy": (logits.argmax(1) == labels).sum()}
+        return F.cross_entropy(logits, labels), len(labels), {"accuracy": (logits.argmax(1) == labels).float().mean()}
     lam = random.random()
     perm = np.random.permutation(len(labels))
     if "MIXUP_LOG" in os.environ and not stopper.before_training():
@@ -455,8 +551,7 @@ def compute_loss(model, batch):
             f.write(json.dumps([lam, perm.tolist()]) + "\\n")
     pair = torch.from_numpy(perm)
     logits = model(lam * images + (1 - lam) * images[pair])
-    loss = (lam * F.cross_entropy(logits, labels, reduction="sum")
-            + (1 - lam) * F.cross_entropy(logits, labels[pair], reduction="sum"))
+    loss = lam * F.cross_entropy(logits, labels) + (1 - lam) * F.cross_entropy(logits, labels[pair])
     return loss, len(labels)
 
 
@@ -483,16 +578,16 @@ import digits
 calls = 0
 
 
-def before_training():  # ddp_train's passes over the first batch (count_flops, warm_up) do not count
+def before_training():  # ddp_train's pass over the first batch (warm_up) does not count
     frame = sys._getframe()
-    while frame and frame.f_code.co_name not in ("count_flops", "warm_up"):
+    while frame and frame.f_code.co_name != "warm_up":
         frame = frame.f_back
     return frame is not None
 
 
 def tripwire(module, inputs):
     global calls
-    if not module.training or inputs[0].dim() == 0 or before_training():  # evaluation, the zero-gradient step's 0-dim input
+    if not module.training or before_training():  # evaluation, the warm-up
         return
     calls += 1
     rank = int(os.environ.get("RANK", 0))
@@ -555,7 +650,7 @@ calls = 0
 
 def hold_while_alone(module, inputs):
     global calls
-    if not module.training or inputs[0].dim() == 0 or stopper.before_training() or os.environ.get("WORLD_SIZE") != "1":
+    if not module.training or stopper.before_training() or os.environ.get("WORLD_SIZE") != "1":
         return
     calls += 1
     if calls == int(os.environ.get("HOLD_AT", 0)):
@@ -648,10 +743,10 @@ def build_datasets(args):
 def compute_loss(model, batch):
     logits, aux = model(batch["image"])
     labels = batch["label"]
-    loss = F.cross_entropy(logits, labels, reduction="sum")
+    loss = F.cross_entropy(logits, labels)
     if aux is not None:
-        loss = loss + 0.3 * F.cross_entropy(aux, labels, reduction="sum")
-    return loss, len(labels), {"accuracy": (logits.argmax(dim=1) == labels).sum()}
+        loss = loss + 0.3 * F.cross_entropy(aux, labels)
+    return loss, len(labels), {"accuracy": (logits.argmax(dim=1) == labels).float().mean()}
 
 
 ddp_train.build_datasets, ddp_train.build_model, ddp_train.compute_loss = build_datasets, WithAuxHead, compute_loss
@@ -719,7 +814,7 @@ digits.TRAIN_SIZE = 1400
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
-    # Mistakes: per-sample losses instead of their sum (BAD=loss); items that do not batch (BAD=items);
+    # Mistakes: per-sample losses instead of their mean (BAD=loss); items that do not batch (BAD=items);
     # a bug in __getitem__ (BAD=getitem); a collate_fn that raises (BAD=collate); a streaming
     # IterableDataset (BAD=iterable), a count of samples that turns into something else (BAD=count).
     "bad.py": """
@@ -752,11 +847,11 @@ def compute_loss(model, batch):
 calls = 0
 
 
-def miscounting_loss(model, batch):  # right on the first batch, then twice the samples (tokens, say)
+def miscounting_loss(model, batch):  # right on the first batch (the warm-up), then twice the samples (tokens, say)
     global calls
     calls += 1
     images, labels = batch
-    return F.cross_entropy(model(images), labels, reduction="sum"), len(labels) * (1 if calls <= 2 else 2)
+    return F.cross_entropy(model(images), labels), len(labels) * (1 if calls <= 1 else 2)
 
 
 class Odd:
@@ -770,8 +865,8 @@ class OddItems(digits.Digits):
 
 class Buggy(digits.Digits):
     def __getitem__(self, i):
-        if i == 7:
-            raise ValueError("sample 7 is broken")
+        if i == 700:  # (not in the first batch, which the warm-up loads in the training process)
+            raise ValueError("sample 700 is broken")
         return super().__getitem__(i)
 
 
@@ -963,24 +1058,23 @@ class Reversed(nn.Module):
         return self.head(x)
 
 
-def wrap_model(model, args, ctx, wrap=ddp_train.wrap_model):
-    wrapped["ddp"] = wrap(model, args, ctx)
-    return wrapped["ddp"]
+class Recorded(ddp_train.DDP):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        wrapped["ddp"] = self
 
 
-def save_model(state, args, ctx, save=ddp_train.save_model):
+def save_model(trainer, save=ddp_train.Trainer.save_model):
     data = wrapped["ddp"]._get_ddp_logging_data()
-    with open(f"{os.environ['BUCKETS']}.{ctx.rank}", "w") as f:
+    with open(f"{os.environ['BUCKETS']}.{trainer.ctx.rank}", "w") as f:
         json.dump({k: v for k, v in data.items() if "bucket" in k}, f)
-    save(state, args, ctx)
+    save(trainer)
 
 
-ddp_train.build_model, ddp_train.wrap_model, ddp_train.save_model = Reversed, wrap_model, save_model
+ddp_train.build_model, ddp_train.DDP, ddp_train.Trainer.save_model = Reversed, Recorded, save_model
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
-    # The default task's MLP with a buffer that is not BatchNorm's (DDP broadcasts every buffer at a step's
-    # first forward, a collective of its own): a rank without samples in a step must keep the order.
     # The default task's MLP with a buffer of its own, which DDP broadcasts in every forward. Its DDP does first
     # what DDP's forward does with device_ids (CUDA: nn/parallel/distributed.py, _pre_forward): move the inputs
     # with torch's own _to_kwargs and take the first, which raises IndexError for a call with no input.
@@ -1024,19 +1118,19 @@ import ddp_train
 steps = 0
 
 
-def train_step(job, data, n_micro, samples, stats, step=ddp_train.train_step):
+def step(trainer, data, n_micro, samples, original=ddp_train.Trainer.step):
     global steps
     steps += 1
     if steps <= 2:
-        return step(job, data, n_micro, samples, stats)
+        return original(trainer, data, n_micro, samples)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        return step(job, data, n_micro, samples, stats)
+        return original(trainer, data, n_micro, samples)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
 
-ddp_train.train_step = train_step
+ddp_train.Trainer.step = step
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
@@ -1093,6 +1187,7 @@ if __name__ == "__main__":
     "evaluate_saved.py": """
 import json
 import sys
+import types
 import torch
 import ddp_train
 import digits
@@ -1102,13 +1197,14 @@ ddp_train.seed_everything(args.seed)
 _, eval_set = ddp_train.build_datasets(args)
 model = ddp_train.build_model(args)
 model.load_state_dict(torch.load(sys.argv[1], weights_only=True))
-ctx = ddp_train.DistContext()
-print(json.dumps(ddp_train.evaluate(model, ddp_train.Loader(eval_set, args.batch_size, ctx, 0, args.seed), args, ctx)))
+amp = dict(device_type="cpu", enabled=False)
+one_process = types.SimpleNamespace(args=args, ctx=ddp_train.Context(), eval_set=eval_set, amp=amp)
+print(json.dumps(ddp_train.evaluate(model, one_process)))
 """,
     # Your recipe (build_optimizer): a deterministic CNN (plain.py's) on digits, trained by two optimizers:
     # SGD with Nesterov momentum over the convolutions, in two parameter groups of their own lrs, and AdamW over
-    # the head. SCALE_ONLY_FIRST=1 plants a bug: the step's gradient scale reaches the first optimizer's
-    # parameters only (the second's gradients are divided by it first).
+    # the head. SCALE_ONLY_FIRST=1 plants a bug: DDP's averaging over the ranks reaches the first optimizer's
+    # parameters only (the second's gradients are multiplied by the world size after backward).
     "recipe_two_optimizers.py": """
 import os
 import sys
@@ -1126,18 +1222,16 @@ def build_optimizer(args, model):
     return [sgd, torch.optim.AdamW(model[-1].parameters(), lr=args.lr)]
 
 
-def mean_gradients(job, count, mean=ddp_train.mean_gradients):
-    scale = ddp_train.gradient_scale(count, job.ctx.world_size * job.typical_count, torch.float32)
-    if scale is not None:
-        for group in job.optimizers[1].param_groups:
-            for p in group["params"]:
-                p.grad.div_(scale)
-    return mean(job, count)
+def finish(count, finish=ddp_train.StepCount.finish):
+    for group in count.t.optimizers[1].param_groups:
+        for p in group["params"]:
+            p.grad.mul_(count.t.ctx.world_size)
+    finish(count)
 
 
 ddp_train.build_optimizer = build_optimizer
 if os.environ.get("SCALE_ONLY_FIRST"):
-    ddp_train.mean_gradients = mean_gradients
+    ddp_train.StepCount.finish = finish
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
@@ -1313,6 +1407,51 @@ ddp_train.build_model, os.fsync = build_model, stuck_fsync
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
+    # Plain SGD (no momentum, no weight decay) on the project that SGD_PROJECT names and plugs in on import: lm
+    # (tinylm, tokens) or, unset, the default task. One step of it is w0 - lr x the gradient of the step's loss.
+    "sgd.py": """
+import importlib
+import os
+import sys
+import torch
+import ddp_train
+
+if os.environ.get("SGD_PROJECT"):
+    importlib.import_module(os.environ["SGD_PROJECT"])
+
+
+def build_optimizer(args, model):
+    return torch.optim.SGD(model.parameters(), lr=args.lr)
+
+
+ddp_train.build_optimizer = build_optimizer
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
+    # A user's own scheduler: torch's OneCycleLR over the run's steps, on the default task with stopper.py's
+    # tripwire (recipe_mlp.py); every record report() gets goes, as a JSON line, to REPORT_TO.
+    "onecycle.py": """
+import json
+import os
+import sys
+import torch
+import ddp_train
+import recipe_mlp  # the default task, with the tripwire
+
+
+def build_scheduler(args, optimizer, total_steps):
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
+
+
+def report(record):
+    with open(os.environ["REPORT_TO"], "a") as f:
+        f.write(json.dumps(record) + "\\n")
+
+
+ddp_train.build_scheduler, ddp_train.report = build_scheduler, report
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
     # Every rank says on stderr, once, the debug level torch.distributed runs at.
     "stall_debug.py": """
 import os
@@ -1334,10 +1473,10 @@ if __name__ == "__main__":
 }
 
 
-MSE_LOSS = '''def compute_loss(model, batch):
+MSE_LOSS = """def compute_loss(model, batch):
     images, labels = batch
     outputs = model(images).float()
-    return F.mse_loss(outputs, F.one_hot(labels, 10).float(), reduction="sum") / 10, len(labels)'''
+    return F.mse_loss(outputs, F.one_hot(labels, 10).float()), len(labels)"""
 
 
 def edited_copy(directory: Path) -> Path:
@@ -1347,19 +1486,34 @@ def edited_copy(directory: Path) -> Path:
     script, digits_py = Path(SCRIPT).read_text(), (ROOT / "examples" / "digits.py").read_text()
     named = {}
     for node in ast.parse(digits_py).body:
-        name = getattr(node, "name", None) or (isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None))
+        name = getattr(node, "name", None) or (
+            isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None)
+        )
         named[name or None] = ast.get_source_segment(digits_py, node)
-    ours = "\n\n\n".join(named[k] for k in ("GLYPHS", "TORCH_ONLY", "render", "Digits", "build_datasets", "build_model"))
+    ours = "\n\n\n".join(
+        named[k]
+        for k in ("GLYPHS", "TORCH_ONLY", "render", "Digits", "build_datasets", "build_model")
+    )
     ours = "NUM_DIGITS, TRAIN_SIZE = 1797, 1437\n" + ours
     lines = script.splitlines()
-    spans = sorted((n.lineno, n.end_lineno) for n in ast.parse(script).body
-                   if isinstance(n, ast.FunctionDef) and n.name in ("build_datasets", "build_model", "compute_loss"))
-    text = "\n".join(lines[: spans[0][0] - 1] + [ours, "", "", MSE_LOSS] + lines[spans[-1][1] :]) + "\n"
-    text = text.replace("import torch\n", "import numpy as np\nimport torch\nfrom torch.utils.data import random_split\n", 1)
+    spans = sorted(
+        (n.lineno, n.end_lineno)
+        for n in ast.parse(script).body
+        if isinstance(n, ast.FunctionDef)
+        and n.name in ("build_datasets", "build_model", "compute_loss")
+    )
+    text = (
+        "\n".join(lines[: spans[0][0] - 1] + [ours, "", "", MSE_LOSS] + lines[spans[-1][1] :])
+        + "\n"
+    )
+    text = text.replace(
+        "import torch\n",
+        "import numpy as np\nimport torch\nfrom torch.utils.data import random_split\n",
+        1,
+    )
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "ddp_train.py").write_text(text)
     return directory / "ddp_train.py"
-
 
 
 @pytest.fixture(scope="session")
@@ -1377,9 +1531,9 @@ def project(tmp_path_factory) -> Path:
 
 # ---------------------------------------------------------------------------
 # A real SLURM cluster (Debian 12's slurmctld/slurmd 22.05) on this machine, for tests. As root:
-# 
+#
 #     apt-get install -y --no-install-recommends slurmctld slurmd slurm-client
-# 
+#
 # Fixtures (skipped without root or without Slurm):
 #   slurm_cluster   one node, named after this host, on the host network (127.0.0.1)
 #   slurm_cluster2  two nodes, node0 (10.232.0.1) and node1 (10.232.0.2), each in a network namespace of its
@@ -1392,9 +1546,20 @@ def project(tmp_path_factory) -> Path:
 # /tmp/slurm-fixture/<pid of the session>x<n>/; no munged, nothing of /etc/slurm.
 # ---------------------------------------------------------------------------
 
-SLURM_BASE = Path(tempfile.gettempdir()) / "slurm-fixture"  # short: slurmd's socket paths must fit 108 bytes
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
-                "BOOT_FAIL", "DEADLINE"}
+SLURM_BASE = (
+    Path(tempfile.gettempdir()) / "slurm-fixture"
+)  # short: slurmd's socket paths must fit 108 bytes
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 _clusters_made = itertools.count()
 
 SLURM_CONF_TEMPLATE = """\
@@ -1454,8 +1619,14 @@ def _free_port():
 
 def _run_group(argv, timeout, **kw):
     """subprocess.run in a session of its own; on timeout its whole process group is killed."""
-    with subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, **kw) as proc:
+    with subprocess.Popen(
+        argv,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    ) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -1485,7 +1656,9 @@ def _stat(pid):
 
 def _describe(pid):
     try:
-        return f"{pid} " + Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
+        return f"{pid} " + Path(f"/proc/{pid}/cmdline").read_bytes().decode(
+            errors="replace"
+        ).replace("\0", " ")
     except OSError:
         return str(pid)
 
@@ -1496,15 +1669,22 @@ def _pids_of(root, namespaces=()):
     with a file under root open (slurmstepd: its title overwrites its environment, not its open log)."""
     pids = set()
     for ns in namespaces:
-        pids.update(map(int, subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
-                                            timeout=10).stdout.split()))
+        pids.update(
+            map(
+                int,
+                subprocess.run(
+                    ["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10
+                ).stdout.split(),
+            )
+        )
     marker, prefix = f"SLURM_CONF={root}/".encode(), f"{root}/"
     for p in Path("/proc").iterdir():
         if not p.name.isdigit() or int(p.name) == os.getpid():
             continue
         try:
             if any(v.startswith(marker) for v in (p / "environ").read_bytes().split(b"\0")) or any(
-                    os.readlink(fd).startswith(prefix) for fd in (p / "fd").iterdir()):
+                os.readlink(fd).startswith(prefix) for fd in (p / "fd").iterdir()
+            ):
                 pids.add(int(p.name))
         except OSError:
             pass
@@ -1521,12 +1701,29 @@ class SlurmCluster:
         self.conf = self.root / "slurm.conf"
         # Jobs inherit this (sbatch exports the submitter's environment): the config, and this Python's bin
         # first on PATH, so that `python` in a job script is the test's.
-        path = os.pathsep.join([os.path.dirname(sys.executable), "/usr/local/sbin", "/usr/local/bin",
-                                "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
-        self.env = {"PATH": path, "SLURM_CONF": str(self.conf), "HOME": os.environ.get("HOME", "/root"),
-                    "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # as clean_env()
+        path = os.pathsep.join(
+            [
+                os.path.dirname(sys.executable),
+                "/usr/local/sbin",
+                "/usr/local/bin",
+                "/usr/sbin",
+                "/usr/bin",
+                "/sbin",
+                "/bin",
+            ]
+        )
+        self.env = {
+            "PATH": path,
+            "SLURM_CONF": str(self.conf),
+            "HOME": os.environ.get("HOME", "/root"),
+            "LANG": "C.UTF-8",
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+        }  # as clean_env()
         self.namespaces = []
-        if nodes == 1:  # named after this host, so that the names jobs get (SLURM_JOB_NODELIST...) resolve
+        if (
+            nodes == 1
+        ):  # named after this host, so that the names jobs get (SLURM_JOB_NODELIST...) resolve
             self.nodes, self.addrs = [socket.gethostname().split(".")[0]], ["127.0.0.1"]
         else:  # a subnet only the namespaces see (the project's own are 10.231.*)
             assert nodes == 2, "a veth pair joins two namespaces; more nodes would need a bridge"
@@ -1543,16 +1740,29 @@ class SlurmCluster:
         argv = [str(a) for a in argv]
         if not self.namespaces:
             return argv
-        return ["nsenter", f"--net=/run/netns/{self.namespaces[node]}", "unshare", "--uts", "--mount", "sh", "-c",
-                'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"',
-                "sh", self.root / "hosts", self.nodes[node], *argv]
+        return [
+            "nsenter",
+            f"--net=/run/netns/{self.namespaces[node]}",
+            "unshare",
+            "--uts",
+            "--mount",
+            "sh",
+            "-c",
+            'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"',
+            "sh",
+            self.root / "hosts",
+            self.nodes[node],
+            *argv,
+        ]
 
     def run(self, argv, timeout=30, check=False, node=0, env=None, **kw):
         """Run a command on a node (default node0, where slurmctld is) in the cluster's environment plus
         `env`; return its CompletedProcess (text)."""
         r = _run_group(self.cmd(argv, node), timeout, env={**self.env, **(env or {})}, **kw)
         if check and r.returncode:
-            raise AssertionError(f"{shlex.join(map(str, argv))} exited {r.returncode}:\n{r.stdout}{r.stderr}")
+            raise AssertionError(
+                f"{shlex.join(map(str, argv))} exited {r.returncode}:\n{r.stdout}{r.stderr}"
+            )
         return r
 
     def sbatch(self, script, *args, cwd=None, env=None, output=None, timeout=30):
@@ -1563,8 +1773,12 @@ class SlurmCluster:
         path = self.root / "jobs" / f"script{len(self._outputs)}.sh"
         path.write_text(script if script.startswith("#!") else "#!/bin/bash\n" + script)
         output = str(output or cwd / "slurm-%j.out")
-        r = self.run(["sbatch", "--parsable", f"--chdir={cwd}", f"--output={output}", *args, path], timeout,
-                     check=True, env=env)
+        r = self.run(
+            ["sbatch", "--parsable", f"--chdir={cwd}", f"--output={output}", *args, path],
+            timeout,
+            check=True,
+            env=env,
+        )
         job_id = r.stdout.strip().split(";")[0]
         self._outputs[job_id] = output.replace("%j", job_id)
         return job_id
@@ -1577,7 +1791,11 @@ class SlurmCluster:
         """`scontrol show job` as a dict: JobState, ExitCode ("code:signal"), Restarts, Reason...; empty
         once slurmctld has forgotten the job (MinJobAge, 300 s after its end)."""
         r = self.run(["scontrol", "show", "job", "-o", job_id])
-        return dict(re.findall(r"(\S+?)=(.*?)(?= \S+?=|$)", r.stdout.strip())) if r.returncode == 0 else {}
+        return (
+            dict(re.findall(r"(\S+?)=(.*?)(?= \S+?=|$)", r.stdout.strip()))
+            if r.returncode == 0
+            else {}
+        )
 
     def wait(self, job_id, timeout=60, states=FINAL_STATES):
         """Poll until the job is in one of `states` (default: ended, its processes gone; until then it is
@@ -1585,23 +1803,29 @@ class SlurmCluster:
         deadline = time.monotonic() + timeout
         while (info := self.job_info(job_id)).get("JobState") not in states:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} not {'/'.join(sorted(states))} after {timeout} s: {info}\n"
-                                   f"output:\n{self.output(job_id) if str(job_id) in self._outputs else ''}")
+                raise TimeoutError(
+                    f"job {job_id} not {'/'.join(sorted(states))} after {timeout} s: {info}\n"
+                    f"output:\n{self.output(job_id) if str(job_id) in self._outputs else ''}"
+                )
             time.sleep(0.2)
         return info
 
     def scancel(self, job_id, *options, signal=None):
         """Cancel the job, or send `signal` (USR1, TERM...) to the processes of its steps, not to the batch
         shell (options: "--batch": the batch shell's process only; "--full": both)."""
-        return self.run(["scancel", *([f"--signal={signal}"] if signal else []), *options, job_id], check=True)
+        return self.run(
+            ["scancel", *([f"--signal={signal}"] if signal else []), *options, job_id], check=True
+        )
 
     def requeue(self, job_id):
         return self.run(["scontrol", "requeue", job_id], check=True)
 
     def update(self, job_id, **fields):
         """scontrol update JobId=job_id Field=value...: e.g. TimeLimit=2 (minutes), also of a running job."""
-        return self.run(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())],
-                        check=True)
+        return self.run(
+            ["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())],
+            check=True,
+        )
 
     def start(self, timeout=30):
         t0 = time.monotonic()
@@ -1610,19 +1834,38 @@ class SlurmCluster:
         for d in ("state", "log", "jobs", *(f"spool/{n}" for n in self.nodes)):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         (self.root / "plugstack.conf").write_text("")
-        self.conf.write_text(SLURM_CONF_TEMPLATE.format(
-            root=self.root, nodes=self.nodes, addrs=self.addrs, ctld_port=_free_port(), slurmd_port=_free_port(),
-            proctrack=self.proctrack, first_job_id=random.randrange(1, 10**6), node_lines="\n".join(f"NodeName={n} NodeAddr={a} CPUs={self.cpus}"
-                                                           for n, a in zip(self.nodes, self.addrs))))
+        self.conf.write_text(
+            SLURM_CONF_TEMPLATE.format(
+                root=self.root,
+                nodes=self.nodes,
+                addrs=self.addrs,
+                ctld_port=_free_port(),
+                slurmd_port=_free_port(),
+                proctrack=self.proctrack,
+                first_job_id=random.randrange(1, 10**6),
+                node_lines="\n".join(
+                    f"NodeName={n} NodeAddr={a} CPUs={self.cpus}"
+                    for n, a in zip(self.nodes, self.addrs)
+                ),
+            )
+        )
         if self.namespaces:
             self._make_namespaces()
-        self.started_at = time.time()  # slurmctld checks time limits (and sends --signal) every 30 s from here
-        self._daemon(["slurmctld", "-D"], 0, "slurmctld")  # -D: our child, waited for; no pid file to trust
-        while "UP" not in self.run(["scontrol", "ping"], timeout=10).stdout:  # a slurmd that finds no
-            self._check_start(t0, timeout)                                     # slurmctld retries 1 s later
+        self.started_at = (
+            time.time()
+        )  # slurmctld checks time limits (and sends --signal) every 30 s from here
+        self._daemon(
+            ["slurmctld", "-D"], 0, "slurmctld"
+        )  # -D: our child, waited for; no pid file to trust
+        while (
+            "UP" not in self.run(["scontrol", "ping"], timeout=10).stdout
+        ):  # a slurmd that finds no
+            self._check_start(t0, timeout)  # slurmctld retries 1 s later
         for i, n in enumerate(self.nodes):
             self._daemon(["slurmd", "-D", "-N", n], i, f"slurmd-{n}")
-        while self.run(["sinfo", "-h", "-N", "-o", "%t"], timeout=10).stdout.split() != ["idle"] * len(self.nodes):
+        while self.run(["sinfo", "-h", "-N", "-o", "%t"], timeout=10).stdout.split() != [
+            "idle"
+        ] * len(self.nodes):
             self._check_start(t0, timeout)
         return self
 
@@ -1633,14 +1876,25 @@ class SlurmCluster:
         time.sleep(0.05)
 
     def _daemon(self, argv, node, name):
-        with open(self.root / "log" / f"{name}.out", "w") as out:  # errors from before its log file opens
-            self._daemons.append(subprocess.Popen(self.cmd(argv, node), env=self.env, stdout=out,
-                                                  stderr=subprocess.STDOUT, start_new_session=True))
+        with open(
+            self.root / "log" / f"{name}.out", "w"
+        ) as out:  # errors from before its log file opens
+            self._daemons.append(
+                subprocess.Popen(
+                    self.cmd(argv, node),
+                    env=self.env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         self._daemons[-1].name = name
 
     def _make_namespaces(self):
-        (self.root / "hosts").write_text("127.0.0.1 localhost\n" +
-                                         "".join(f"{a} {n}\n" for n, a in zip(self.nodes, self.addrs)))
+        (self.root / "hosts").write_text(
+            "127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for n, a in zip(self.nodes, self.addrs))
+        )
+
         def sh(*argv):
             subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30)
 
@@ -1657,7 +1911,9 @@ class SlurmCluster:
         """Pids of everything of this cluster still running but its daemons (and slurmctld's helper)."""
         daemons = {d.pid for d in self._daemons}
         pids = _pids_of(self.root, self.namespaces)
-        return {pid for pid in pids if pid not in daemons and (_stat(pid) or ("", 0))[1] not in daemons}
+        return {
+            pid for pid in pids if pid not in daemons and (_stat(pid) or ("", 0))[1] not in daemons
+        }
 
     def reset(self, timeout=15):
         """Cancel every job, wait (up to `timeout` s) until they are gone and give their last processes a
@@ -1671,7 +1927,9 @@ class SlurmCluster:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        deadline = time.monotonic() + 1  # a job's slurmstepd exits a moment after squeue drops the job
+        deadline = (
+            time.monotonic() + 1
+        )  # a job's slurmstepd exits a moment after squeue drops the job
         while self.processes() and time.monotonic() < deadline:
             time.sleep(0.1)
         strays = self.processes()
@@ -1700,20 +1958,26 @@ class SlurmCluster:
                 d.kill()
                 d.wait(5)
         _reap(self.root, self.namespaces, remove=False)
-        for veth in getattr(self, "_veths", []):  # still on the host if start failed before moving it
+        for veth in getattr(
+            self, "_veths", []
+        ):  # still on the host if start failed before moving it
             subprocess.run(["ip", "link", "del", veth], capture_output=True, timeout=30)
 
     def logs(self, lines=30):
         """The last lines of the daemons' logs, for error messages."""
-        return "".join(f"--- {p.name}\n" + "".join(p.read_text(errors="replace").splitlines(True)[-lines:])
-                       for p in sorted((self.root / "log").glob("*")))
+        return "".join(
+            f"--- {p.name}\n" + "".join(p.read_text(errors="replace").splitlines(True)[-lines:])
+            for p in sorted((self.root / "log").glob("*"))
+        )
 
 
 def _reap(root, namespaces=None, remove=True):
     """Kill every process of the cluster in `root` and delete its namespaces (default: all those named
     after it); with `remove`, its directory too."""
     if namespaces is None:
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        listed = subprocess.run(
+            ["ip", "netns", "list"], capture_output=True, text=True
+        ).stdout.split()
         namespaces = [ns for ns in listed if re.fullmatch(f"slurmfx{root.name}n\\d+", ns)]
     for _ in range(3):  # again for what the killed ones' children became
         send(_pids_of(root, namespaces))
@@ -1736,7 +2000,11 @@ def _slurm_skip_reason(nodes):
     if os.geteuid() != 0:
         return "a SLURM cluster needs root (slurmd runs jobs as root here)"
     tools = ["slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo"]
-    missing = [t for t in tools + (["ip", "nsenter", "unshare", "mount"] if nodes > 1 else []) if not shutil.which(t)]
+    missing = [
+        t
+        for t in tools + (["ip", "nsenter", "unshare", "mount"] if nodes > 1 else [])
+        if not shutil.which(t)
+    ]
     if missing:
         return f"missing {' '.join(missing)} (apt-get install --no-install-recommends slurmctld slurmd slurm-client)"
     return None
@@ -1752,8 +2020,10 @@ def slurm_clusters():
     session; all stopped at its end."""
     clusters = {}
     # SIGTERM (`timeout`, a CI cancel) would end Python at once: as Ctrl-C, it runs the teardowns.
-    restore = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and threading.current_thread() is \
-        threading.main_thread()
+    restore = (
+        signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        and threading.current_thread() is threading.main_thread()
+    )
     if restore:
         signal.signal(signal.SIGTERM, _sigterm_to_keyboard_interrupt)
 

@@ -1,6 +1,6 @@
 """ddp_train.py: a reference PyTorch DistributedDataParallel (DDP) training script.
 
-One file, torch only. Launch it unchanged in any of these ways:
+One file, torch only (2.4 to 2.15). Launch it unchanged in any of these ways:
 
     python ddp_train.py                                  # one process: the CPU, or one GPU
     python ddp_train.py --spawn 2                        # N local processes, no launcher
@@ -11,11 +11,12 @@ One file, torch only. Launch it unchanged in any of these ways:
     python -m torch.distributed.launch --nproc_per_node=2 ddp_train.py  # the legacy launcher
 
 Your task is the functions at the top: build_datasets(), build_model(), compute_loss(), build_optimizer(),
-report() and, for items of different shapes, collate_fn(). Edit them here, or import this file from your
-own script and assign yours (see the README).
+build_scheduler(), report() and, for items of different shapes, collate_fn(). Edit them here, or import this
+file from your own script and assign yours (see the README).
 
-Read it top to bottom: first the lesson, where each line DDP adds to a plain loop says "DDP:" and
-each classic trap "Trap:"; then, after a divider, the machinery, one section per feature.
+Read it top to bottom: first the lesson, the training loop of the tutorials, in which each line DDP adds
+says "DDP:" and each classic trap "Trap:"; then, after a divider, the machinery, one section per feature,
+each called from one place in the lesson.
 """
 
 from __future__ import annotations
@@ -48,15 +49,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils import flop_counter
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
+from torch.utils.data import default_collate
 
 PROG = "ddp_train.py"
 # One default --out-dir per script (out/ddp_train, out/tinylm): another task's checkpoint never stops its resume.
-OUT_DIR = "out/" + os.path.basename(sys.argv[0] if os.path.isfile(sys.argv[0]) else PROG).removesuffix(".py")
+OUT_DIR = "out/" + os.path.basename(
+    sys.argv[0] if os.path.isfile(sys.argv[0]) else PROG
+).removesuffix(".py")
 STARTED = time.monotonic()  # for the wall time that the progress lines and the last line give
 IN_FEATURES, NUM_CLASSES, HIDDEN = 32, 10, 256  # the default task (see build_datasets)
 
@@ -86,32 +91,59 @@ def build_model(args) -> nn.Module:
     """A small MLP classifier for the default task; --batch-norm adds BatchNorm layers."""
     norm = (lambda: nn.BatchNorm1d(HIDDEN)) if args.batch_norm else nn.Identity
     return nn.Sequential(
-        nn.Linear(IN_FEATURES, HIDDEN), norm(), nn.ReLU(),
-        nn.Linear(HIDDEN, HIDDEN), norm(), nn.ReLU(),
+        nn.Linear(IN_FEATURES, HIDDEN),
+        norm(),
+        nn.ReLU(),
+        nn.Linear(HIDDEN, HIDDEN),
+        norm(),
+        nn.ReLU(),
         nn.Linear(HIDDEN, NUM_CLASSES),
     )
 
 
 def compute_loss(model: nn.Module, batch) -> tuple:
-    """(loss_sum, count) or (loss_sum, count, metric_sums) of one batch, for training and evaluation.
-    loss_sum is a SUM of losses and count what it sums over (an int or a 0-dim tensor): samples for a classifier,
-    real tokens for a language model. Every mean the script takes (the gradient, the logged losses) is a sum
-    over all micro-batches and ranks divided by theirs: exact, whatever the world size. metric_sums: further
-    sums that evaluation divides by the count (eval_accuracy). `batch`: collate_fn's batch, on the device."""
+    """(loss, count) or (loss, count, metrics) of one batch (collate_fn's, on the device), for training and
+    evaluation. loss is the MEAN over count items, as F.cross_entropy returns it (or HF's outputs.loss, or
+    nanoGPT's model); count what it averages over, an int or a 0-dim tensor: samples for a classifier, real
+    tokens for a language model ((labels != -100).sum(); then set COUNT_UNIT = "tokens"). metrics: further
+    means over the same items ({"accuracy": ...}: eval_accuracy). The script weighs each mean by its count, so
+    that every gradient and every logged figure is the exact mean over all the items of all micro-batches on
+    all ranks, whatever the world size, batch size and accumulation."""
     inputs, targets = batch
     logits = model(inputs).float()
-    loss_sum = F.cross_entropy(logits, targets, reduction="sum")
-    return loss_sum, len(targets), {"accuracy": (logits.argmax(dim=1) == targets).sum()}
+    accuracy = (logits.argmax(dim=1) == targets).float().mean()
+    return F.cross_entropy(logits, targets), len(targets), {"accuracy": accuracy}
 
 
 def build_optimizer(args, model: nn.Module):
     """One optimizer or a list of them, each trainable parameter in exactly one, in parameter groups as you
-    like (their own lr, weight_decay...): --schedule multiplies each group's lr. The default: AdamW as nanoGPT
-    sets it up, --weight-decay on matrices and embeddings (2 or more dimensions), none on biases and norms."""
+    like (their own lr, weight_decay...). The default: AdamW as nanoGPT sets it up, --weight-decay on
+    matrices and embeddings (2 or more dimensions), none on biases and norms; fused: one kernel for all."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, fused=True)  # fused: one kernel
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, fused=True)
+
+
+def build_scheduler(args, optimizer, total_steps: int):
+    """A torch LRScheduler for one optimizer (called once per optimizer): OneCycleLR, CosineAnnealingLR, ...
+    The script steps it after every optimizer step and saves it with the checkpoint. The default: a linear
+    warmup over --warmup-steps, then --schedule: cosine or linear decay to 0, constant, or wsd (constant,
+    then linear to 0 over the run's last fifth), multiplying each parameter group's own lr."""
+
+    def factor(step):  # step: the optimizer steps done before this one
+        if step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        if args.schedule == "wsd":
+            return min(1.0, (total_steps - step) / max(1.0, 0.2 * total_steps))
+        done = (step - args.warmup_steps) / max(1, total_steps - args.warmup_steps)
+        return {"cosine": (1 + math.cos(math.pi * done)) / 2, "linear": 1 - done}.get(
+            args.schedule, 1.0
+        )
+
+    return LambdaLR(optimizer, factor)
 
 
 def report(record: dict) -> None:
@@ -122,272 +154,11 @@ def report(record: dict) -> None:
 # collate_fn(items) -> batch: how a list of items becomes one batch. torch's default stacks tensors and
 # numbers of equal shapes; items of different lengths need one that pads them (examples/tinylm.py).
 collate_fn = default_collate
-COUNT_UNIT = "samples"  # what compute_loss's count counts: samples (known from the plan) or "tokens" (summed)
+# what compute_loss's count counts: "samples" (known from the batches) or "tokens"
+COUNT_UNIT = "samples"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """The core arguments; the machinery adds its own (add_machinery_arguments)."""
-    p = Parser(prog=PROG, formatter_class=argparse.ArgumentDefaultsHelpFormatter, description="Reference "
-               "DistributedDataParallel training script: python, torchrun, torch.distributed.launch, srun, --spawn N.")
-    g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
-    g.add_argument("--batch-size", type=at_least(1), default=64,
-                   help="samples per process and micro-batch (global batch: this x world size x --grad-accum)")
-    g.add_argument("--grad-accum", type=at_least(1), default=1, help="micro-batches per optimizer step")
-    g.add_argument("--lr", type=at_least(0.0), default=1e-3, help="peak learning rate (build_optimizer's)")
-    g.add_argument("--warmup-steps", type=at_least(0), default=0, help="linear warmup, then --schedule")
-    g.add_argument("--seed", type=int, default=0, help="seeds the data, the initial weights and the shuffle")
-    g.add_argument("--out-dir", default=OUT_DIR, help="where rank 0 writes model.pt, checkpoints and metrics.jsonl")
-    g = p.add_argument_group("the default task")
-    g.add_argument("--num-samples", type=at_least(1), default=32768, help="training samples")
-    g.add_argument("--eval-samples", type=at_least(0), default=4096, help="evaluation samples (0: no evaluation)")
-    g.add_argument("--batch-norm", action="store_true", help="give the model BatchNorm layers")
-    add_machinery_arguments(p)
-    return p.parse_args(argv)
-
-
-# ====== Joining the process group: torchrun's environment contract ==========================================
-
-
-@dataclasses.dataclass
-class DistContext:
-    rank: int = 0  # this process, 0 .. world_size - 1
-    local_rank: int = 0  # this process on its node: which GPU it drives
-    world_size: int = 1
-    local_world_size: int = 1
-    device: torch.device = torch.device("cpu")
-    distributed: bool = False  # False: one process, no process group, the same code path
-    launcher: str = "python"
-    backend: str = "none"
-    control_group: object = None  # gloo, for small control messages beside training's (no GPU involved)
-    patient_group: object = None  # gloo, for waiting on rank 0's own work (a checkpoint write)
-    timeout: datetime.timedelta = datetime.timedelta(minutes=30)  # --timeout: how long a collective waits
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed(args) -> DistContext:
-    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT), pick the device and join the process group. Other launchers are first translated
-    into that environment; plain python has none of it and runs one process without a group."""
-    launcher = adopt_launcher_environment(args)
-    env = os.environ
-    world, rank = int(env.get("WORLD_SIZE", 1)), int(env.get("RANK", 0))
-    local_rank, local_world = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world))
-    ctx = DistContext(rank, local_rank, world, local_world, launcher=launcher)
-    set_up_process(args, ctx)  # threads, and --debug's environment
-    backend = "nccl" if torch.cuda.is_available() else "gloo"  # for CPU training, hide the GPUs (CUDA_VISIBLE_DEVICES=)
-    if torch.cuda.is_available():
-        ctx.device = gpu_of(ctx)  # DDP: one GPU per process, picked by LOCAL_RANK ...
-        torch.cuda.set_device(ctx.device)  # ... and made current before init: nothing lands on GPU 0
-    if world == 1:
-        return ctx  # one process: no process group, and every collective below is skipped
-    timeout = datetime.timedelta(seconds=args.timeout)
-    try:
-        # DDP: join the process group; the timeout makes a missing peer an error (no device_id: pytorch/pytorch#153960)
-        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout,
-                                **rendezvous(world, timeout))  # env://, or a workaround's store
-    except Exception as exc:  # name what was tried; the launcher has said the rest
-        fail(f"rank {rank} could not join the {world}-process group at {env.get('MASTER_ADDR')}:"
-             f"{env.get('MASTER_PORT')} within {args.timeout:g}s: {one_line(exc)}", code=1)
-    ctx.distributed, ctx.backend, ctx.timeout = True, backend, timeout
-    ctx.control_group = dist.new_group(backend="gloo", timeout=timeout)
-    ctx.patient_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
-    return ctx
-
-
-def cleanup_distributed(ctx: DistContext) -> None:
-    """DDP: leave the process group, once the DDP model and the DataLoader workers are released."""
-    # Collect what training left behind (explain_failure() drops a failure's frames first). Trap, torch
-    # 2.13 with gloo (seen here, about 1 run in 3): destroying the process group while DDP's reducer is
-    # alive aborts the process at exit ("terminate called without an active exception"). And persistent
-    # DataLoader workers outliving their loader are only ended at exit, and ours ignore SIGTERM.
-    gc.collect()
-    if ctx.distributed and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def log(ctx: DistContext, message: str, error: bool = False) -> None:
-    """Rank 0 speaks for everyone: the one place that prints."""
-    if ctx.is_main:  # DDP: one log, not one per rank
-        print(message, file=sys.stderr if error else sys.stdout, flush=True)
-
-
-# ====== The training loop ===================================================================================
-
-
-def train(args, ctx: DistContext, agreement: Agreement) -> int:
-    """Every rank builds the same data and model, wraps it in DDP, and trains. Returns the exit code."""
-    seed_everything(args.seed)  # first: a random split inside build_datasets then agrees across ranks
-    train_set, eval_set = (place_dataset(d, ctx) for d in build_datasets(args))
-    check_datasets(train_set, eval_set, args, ctx)
-    seed_everything(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = build_model(args).to(ctx.device)
-    seed_everything(mix_seed(args.seed, RANK_STREAM, ctx.rank))  # DDP: each rank its own dropout masks
-
-    # DDP: the batch of one optimizer step: per process x world size x accumulation, or --global-batch
-    global_batch = args.global_batch or args.batch_size * ctx.world_size * args.grad_accum
-    optimizers = Optimizers(build_optimizer(args, model), model, ctx)  # yours: one or a list, over every parameter
-    steps_per_epoch = count_steps(len(train_set), global_batch, args, ctx)  # --drop-last: full steps only
-    total_steps = args.max_steps or args.epochs * steps_per_epoch  # --max-steps: as many epochs as that takes
-    check_batchnorm_batch_sizes(model, len(train_set), global_batch, steps_per_epoch, args, ctx)
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")  # fp16 only: loss scaling
-    progress = Progress()
-    # Everything a checkpoint saves and restores, by name: one more stateful part is one more line here.
-    state = {"model": model, "optimizers": optimizers, "scaler": scaler, "progress": progress,
-             "rng": RankRNG(ctx, args.seed, progress)}
-    if args.ema:  # --ema DECAY: an exponential moving average of the weights (and buffers), after every step
-        state["ema"] = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(args.ema), use_buffers=True)
-
-    checkpoints = Checkpoints(args, ctx, train_set, eval_set, global_batch, optimizers)
-    if not checkpoints.resume(state, steps_per_epoch, total_steps):
-        return 0  # a finished run, rerun: nothing to train
-
-    train_data = Loader(train_set, args.batch_size, ctx, args.workers, args.seed)
-    flops, why_not = count_flops(model, train_data, args, ctx) if args.count_flops else (None, "")  # before DDP
-    ddp_model = wrap_model(model, args, ctx)
-    job = Job(args, ctx, model, ddp_model, torch.compile(ddp_model) if args.compile else ddp_model,
-              optimizers, scaler, state,
-              # DDP: each rank reads its own share of each epoch's shuffle; one process reads it all.
-              DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed),
-              train_data, Loader(eval_set, args.batch_size, ctx, args.workers, args.seed) if eval_set else None,
-              global_batch, steps_per_epoch, total_steps, flops, agreement, StepCount(ctx),
-              Records(args, ctx, progress, total_steps, steps_per_epoch))
-    warm_up(job)  # the first batch through DDP once, untrained: all-reduce buckets in the real order
-    log_start(job, why_not)
-    return train_loop(job, progress, checkpoints)
-
-
-def wrap_model(model: nn.Module, args, ctx: DistContext) -> nn.Module:
-    """DDP: wrap the model so that backward() also averages the gradients over all ranks."""
-    if not ctx.distributed:
-        return model
-    if args.sync_bn:  # BatchNorm statistics over the global batch; before wrapping: DDP must see SyncBatchNorm
-        if ctx.device.type != "cuda":
-            fail("--sync-bn needs CUDA: torch's SyncBatchNorm has no CPU implementation", ctx=ctx)
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    # DDP: the wrap. It broadcasts rank 0's weights, then all-reduces gradients during backward().
-    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-               find_unused_parameters=args.find_unused_parameters,
-               gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets: one copy less
-
-
-def train_loop(job: Job, progress: Progress, checkpoints: Checkpoints) -> int:
-    """Optimizer steps, epoch after epoch, to the run's total. All ranks run every line together; rank 0
-    alone prints and writes."""
-    args, ctx, stats = job.args, job.ctx, EpochStats(job.ctx, job.args.amp, job.train_data, job.model)
-    while progress.step < job.total_steps:
-        job.sampler.set_epoch(progress.epoch)  # Trap: without it every epoch repeats the same shuffle
-        # DDP: this rank's samples of each step: its share of the step's global batch, as micro-batches.
-        steps = plan_steps(my_share(job.sampler, ctx), job)
-        data = job.train_data.batches([mb for step in steps[progress.step_in_epoch :] for mb in step], progress.epoch)
-        stats.start_epoch(progress)
-        last = min(job.steps_per_epoch, progress.step_in_epoch + job.total_steps - progress.step)  # --max-steps
-        for step in range(progress.step_in_epoch, last):  # (a resumed epoch skips the steps done)
-            samples = min(len(job.sampler.dataset) - step * job.global_batch, job.global_batch)  # over all ranks
-            set_learning_rate(job, progress.step)  # --warmup-steps, then --schedule: x each group's own lr
-            train_step(job, data, len(steps[step]), samples, stats)
-            progress.step_done(samples)
-            if args.eval_every and progress.step % args.eval_every == 0 and step < last - 1:  # (the end evaluates)
-                job.records({"kind": "eval", **evaluation(job, progress)})  # all ranks evaluate, rank 0 writes
-            # --- periodic: all ranks decide together (a signal, rank 0's clocks), then act together ---
-            stopping, log_now, save_now = job.agreement.decide(progress.step)
-            if stopping or log_now or save_now:
-                stats.fold(progress)  # DDP: the loss sums of all ranks, all-reduced
-            if log_now:  # rank 0 only
-                stats.log_progress(progress, job)
-            if stopping or save_now:
-                checkpoints.save(job)  # rank 0 writes, every rank waits for it
-            if stopping and progress.step < job.total_steps:  # (a stop in the run's last step finishes it)
-                return job.agreement.stopped(progress, args.out_dir)
-        # --- end of epoch (or of the run, with --max-steps): all ranks ---
-        stats.fold(progress)  # DDP: all-reduce the loss sums: the exact global train loss
-        record = {**stats.epoch_record(progress, job), **evaluation(job, progress)}
-        if progress.step_in_epoch == job.steps_per_epoch:
-            progress.next_epoch()
-        job.records(record)  # rank 0 only
-        checkpoints.save(job)  # rank 0 writes, every rank waits for it
-    job.agreement.close()
-    save_model(job.state, args, ctx)
-    return 0
-
-
-def train_step(job: Job, data, n_micro: int, samples: int, stats: EpochStats) -> None:
-    """One optimizer step: forward and backward over this rank's micro-batches, then the update."""
-    args, ctx, count = job.args, job.ctx, 0
-    for micro in range(n_micro):
-        # DDP: all-reduce the gradients only in the backward of the step's last micro-batch.
-        last = micro == n_micro - 1
-        with contextlib.nullcontext() if last or not ctx.distributed else job.ddp_model.no_sync():
-            with autocast(args, ctx):
-                loss_sum, n, _ = call_compute_loss(job.forward, next(data), ctx)
-            stats.add(loss_sum, n)  # this rank's sums; and its compute time, for the stragglers' figures
-            count = count + n  # what this rank's losses sum over in this step: samples, tokens
-            if last:
-                job.step_count.start(count, samples)  # DDP: the count over all ranks (tokens: summed now)
-            job.scaler.scale(loss_sum / job.typical_count).backward()  # the sum: / the global count below
-    if n_micro == 0:  # DDP: none of the step's samples are here, but every rank joins the all-reduces
-        zero_gradient_backward(job.ddp_model, job.step_count, samples)
-    stats.end_step(mean_gradients(job, job.step_count.total()))  # DDP: sums / the global count, then clipped
-    for optimizer in job.optimizers:
-        job.scaler.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-    job.scaler.update()
-    if "ema" in job.state:
-        job.state["ema"].update_parameters(job.model)
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, data: Loader, args, ctx: DistContext) -> dict:
-    """Loss and metric means over the whole eval set, each sample counted exactly once. All ranks:
-    each evaluates its share with the raw model (DDP's forward may sync), then the sums are added."""
-    broadcast_buffers(model, ctx)  # DDP: rank 0's BatchNorm statistics on every rank: one model evaluated
-    model.eval()
-    # DDP: each rank evaluates its own share, in order; my_share() drops the sampler's padding.
-    sampler = DistributedSampler(data.dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
-    mine = my_share(sampler, ctx)
-    sums: dict = {"samples": len(mine)}
-    for batch in data.batches(split(mine, args.batch_size), EVAL_EPOCH):
-        with autocast(args, ctx):
-            loss_sum, n, metric_sums = call_compute_loss(model, batch, ctx)
-        for name, value in {"loss": loss_sum, "count": n, **metric_sums}.items():
-            sums[name] = sums.get(name, 0) + (value.detach().double() if torch.is_tensor(value) else value)
-    gathered = everyone({name: float(value) for name, value in sums.items()}, ctx)  # DDP: all ranks' (some lack names)
-    totals = {n: sum(g.get(n, 0.0) for g in gathered) for n in dict.fromkeys(k for g in gathered for k in g)}
-    model.train()
-    samples, count = int(totals.pop("samples")), totals.pop("count", 0.0)
-    return {**{f"eval_{name}": value / count for name, value in totals.items()}, "eval_samples": samples,
-            **({f"eval_{COUNT_UNIT}": whole(count)} if COUNT_UNIT != "samples" else {})}
-
-
-def save_model(state: dict, args, ctx: DistContext) -> None:
-    """The final weights: rank 0 writes model.pt (and --ema's model_ema.pt); every rank waits for it."""
-    model, progress = state["model"], state["progress"]
-    check_finite(model, "the final weights", ctx)
-    if ctx.is_main:  # DDP: rank 0 alone writes; the others hold the same weights
-        path = os.path.join(args.out_dir, "model.pt")
-        # Trap: save the raw module: DDP would prefix every key with "module.", torch.compile with "_orig_mod.".
-        atomic_save(model.state_dict(), path)
-        if "ema" in state:
-            atomic_save(state["ema"].module.state_dict(), os.path.join(args.out_dir, "model_ema.pt"))
-        log(ctx, f"saved {path}: {progress.epoch} epoch(s), {progress.step} steps, "
-                 f"{datetime.timedelta(seconds=int(time.monotonic() - STARTED))} since launch")
-    wait_for_rank0(ctx)  # Trap: a barrier, so that no rank tears down before rank 0's files are written
-
-
-def run(args) -> int:
-    """One process's whole life: join, train, leave."""
-    ctx = init_distributed(args)
-    agreement = Agreement(ctx, args)
-    try:
-        return train(args, ctx, agreement)
-    except BaseException as exc:
-        explain_failure(exc, ctx, agreement)  # one line for the ends that deserve one, else the traceback
-        raise
-    finally:
-        cleanup_distributed(ctx)  # DDP: leave the process group, also after an error
+# ====== The lesson: the plain training loop, and the lines DDP adds to it ==================================
 
 
 @record  # under torchrun, a traceback shows in its failure summary (fail() writes our one line there itself)
@@ -396,279 +167,1229 @@ def main(argv=None) -> int:
     return spawn_workers(args) if args.spawn else run(args)
 
 
+def run(args) -> int:
+    """One process's whole life: find its place, join the process group, train, leave. Without a launcher
+    (plain python) it is one process without a process group, on the same code path."""
+    # RANK, WORLD_SIZE, LOCAL_RANK: torchrun's environment (srun's and --spawn's translated into it).
+    ctx = Context.of_this_process(args)
+    if ctx.device.type == "cuda":
+        # DDP: one GPU per process, made current before anything else touches CUDA
+        torch.cuda.set_device(ctx.device)
+    trainer = None
+    try:
+        if ctx.world_size > 1:
+            # DDP: join the process group (gloo on CPUs, NCCL on GPUs). The timeout makes a missing peer an
+            # error, not a hang. (No device_id: its eager NCCL init can hang, pytorch/pytorch#153960.)
+            dist.init_process_group(
+                ctx.backend,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                timeout=ctx.timeout,
+                **rendezvous(ctx),
+            )
+        trainer = Trainer(args, ctx)
+        return trainer.train()
+    except BaseException as exc:
+        explain_failure(exc, ctx)  # one line for the ends that deserve one, else the traceback
+        raise
+    finally:
+        # Trap: release what training holds, before the process group goes. DDP's reducer: with gloo, destroying
+        # the group while it lives can abort the process at exit. The DataLoaders: freed, they stop their
+        # persistent workers; left to the garbage collector, they may not (it closes their queues first), and at
+        # exit the workers ignore the SIGTERM they get: the process would hang.
+        if trainer:
+            vars(trainer).clear()
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()  # DDP: leave the process group, also after an error
+
+
+class Trainer:
+    """Every rank builds the same data and model, wraps the model in DDP, and trains it. All ranks run every
+    line together; rank 0 alone prints and writes."""
+
+    def __init__(self, args, ctx):
+        self.args, self.ctx = args, ctx
+        # first: a random split inside build_datasets then agrees across ranks
+        seed_everything(args.seed)
+        self.train_set, self.eval_set = build_datasets(args)
+        # the same initial weights on every rank (DDP also broadcasts rank 0's)
+        seed_everything(args.seed)
+        self.model = model = build_model(args).to(ctx.device)
+        # DDP: then each rank a random stream of its own, as nanoGPT offsets its seed: its own dropout masks.
+        seed_everything(args.seed + 1 + ctx.rank)
+        # DDP: the batch of one optimizer step: per process x world size x accumulation, or --global-batch.
+        self.global_batch = args.global_batch or args.batch_size * ctx.world_size * args.grad_accum
+        # one line for what cannot train, before anything is written
+        self.steps_per_epoch = check_the_run(self)
+        # --max-steps: its epochs
+        self.total_steps = args.max_steps or args.epochs * self.steps_per_epoch
+        # yours: one or a list
+        self.optimizers = every_parameter_once(build_optimizer(args, model), model, ctx)
+        self.schedulers = [build_scheduler(args, o, self.total_steps) for o in self.optimizers]
+        # --amp: autocast in bf16 or fp16; fp16's gradients need loss scaling.
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+        self.amp = dict(device_type=ctx.device.type, dtype=half, enabled=half is not None)
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")
+        self.progress = Progress()
+        # Every stateful part, by name: what a checkpoint saves and restores. One more part, one more line.
+        self.state = dict(
+            model=model, optimizers=self.optimizers, schedulers=self.schedulers, scaler=self.scaler
+        )
+        self.state.update(progress=self.progress, rng=RankRNG(self))  # (a list: each of its parts)
+        if args.ema:  # the average of the weights (and buffers), after every step
+            self.state["ema"] = AveragedModel(
+                model, multi_avg_fn=get_ema_multi_avg_fn(args.ema), use_buffers=True
+            )
+        # DDP: each rank reads its own share of each epoch's shuffle; one process reads it all.
+        self.sampler = DistributedSampler(
+            self.train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed
+        )
+        # its batches: set for each epoch
+        self.loader, self.batches = loader_of(self.train_set, args, ctx)
+        # BatchNorm statistics over the global batch: DDP must wrap SyncBatchNorm layers
+        if args.sync_bn:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        # DDP: the wrap. It broadcasts rank 0's weights, then averages the gradients.
+        if ctx.world_size > 1:
+            model = DDP(
+                model,
+                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                find_unused_parameters=args.find_unused_parameters,
+                gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: one copy less
+            )
+        self.ddp_model, self.forward = model, torch.compile(model) if args.compile else model
+        # DDP: the step's count over all ranks, which each mean is weighed by
+        self.count = StepCount(self)
+        # what the ranks decide together: a stop signal, rank 0's clocks
+        self.agreement = Agreement(self)
+
+    def train(self) -> int:
+        """Optimizer steps, epoch after epoch, to the run's total; returns the exit code."""
+        args, progress = self.args, self.progress
+        if not resume(self):  # from the out-dir's checkpoint, if there is one
+            return 0  # a finished run, rerun: model.pt written again, nothing to train
+        # the exact global loss, gradient norms, throughput, every rank's timing
+        self.meter = Meter(self)
+        # the first batch once through DDP, untrained: its buckets in the real order; FLOPs
+        warm_up(self)
+        while progress.step < self.total_steps:
+            # Trap: without it every epoch repeats the same shuffle
+            self.sampler.set_epoch(progress.epoch)
+            # DDP: this rank's micro-batches of each step: its share of the step's global batch.
+            # (a resumed epoch skips the steps done)
+            steps = plan_steps(self)[progress.step_in_epoch :]
+            # (--max-steps: the run may end mid-epoch)
+            steps = steps[: self.total_steps - progress.step]
+            self.batches[:] = [(progress.epoch, mb) for step in steps for mb in step]
+            # on the device; its waits timed: data_wait_by_rank
+            data = self.meter.timed(iter(self.loader))
+            for i, micro_batches in enumerate(steps):
+                done = progress.step_in_epoch * self.global_batch
+                # the step's, over all ranks
+                samples = min(len(self.train_set) - done, self.global_batch)
+                self.step(data, len(micro_batches), samples)
+                progress.step_done(samples)
+                if args.eval_every and progress.step % args.eval_every == 0 and i < len(steps) - 1:
+                    # all ranks evaluate, rank 0 writes
+                    self.meter.emit({"kind": "eval", **evaluation(self)})
+                # --- periodic: all ranks decide together (a signal, rank 0's clocks, steps), then act ---
+                stop, log_now, save_now = self.agreement.decide()
+                if stop or log_now or save_now:
+                    self.fold()  # DDP: the loss all-reduce: every rank's sums into the epoch's totals
+                if log_now:
+                    self.meter.emit(self.meter.record("progress"))  # rank 0 prints
+                if stop or save_now:
+                    save_checkpoint(self)  # rank 0 writes, every rank waits for it
+                # (a stop in the run's last step finishes it)
+                if stop and progress.step < self.total_steps:
+                    return self.agreement.stopped()
+            # --- end of the epoch (or of the run, with --max-steps): all ranks ---
+            self.fold()  # DDP: the loss all-reduce: the exact global train loss of the epoch
+            record = {**self.meter.record("epoch"), **evaluation(self)}
+            if progress.step_in_epoch == self.steps_per_epoch:
+                progress.next_epoch()
+            self.meter.emit(record)  # rank 0 only
+            save_checkpoint(self)
+        self.save_model()
+        return 0
+
+    def step(self, data, n_micro, samples) -> None:
+        """One optimizer step: forward and backward over this rank's n_micro micro-batches, then the update."""
+        count, world = self.count, self.ctx.world_size
+        count.start(samples)  # samples: every rank knows the step's count; tokens: summed below
+        for i in range(max(n_micro, 1)):
+            # DDP: a rank without samples in this step still joins its collectives, with a zero gradient.
+            batch = next(data) if n_micro else self.first_batch
+            last = i >= n_micro - 1
+            # DDP: all-reduce the gradients only in the backward of the step's last micro-batch.
+            with contextlib.nullcontext() if last or world == 1 else self.ddp_model.no_sync():
+                with torch.autocast(**self.amp):
+                    loss, n, _ = call_compute_loss(self.forward, batch, self.ctx)
+                n = n if n_micro else 0
+                self.meter.add(loss, n)  # this rank's loss sum and count, on the device
+                # tokens: the all-reduce of the step's count starts here, beside backward
+                count.add(n, last)
+                # DDP: DDP averages the ranks' gradients: weigh this mean by its share of the step's items.
+                self.scaler.scale(loss * (n * world / count.expected)).backward()
+        count.finish()  # tokens: the gradients x the expected count / the step's own
+        for optimizer in self.optimizers:
+            # Trap: clip and log the true gradients, not fp16's scaled ones
+            self.scaler.unscale_(optimizer)
+        # The norm of the whole gradient (the same on every rank), clipped by --clip-grad-norm.
+        norm = grad_norm(self.params, self.args.clip_grad_norm)
+        lr = self.optimizers[0].param_groups[0]["lr"]  # the step's, for its record
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            self.scaler.step(optimizer)  # (fp16: skipped if the gradients overflowed)
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        self.scaler.update()
+        if "ema" in self.state:
+            self.state["ema"].update_parameters(self.model)
+        self.meter.end_step(norm, lr)
+
+    def fold(self) -> None:
+        """All ranks, before a progress line, a checkpoint and at an epoch's end: every rank's sums since the last
+        fold into the epoch's totals (the exact global train loss); a non-finite loss stops every rank."""
+        sums = self.meter.sums()  # this rank's: every step's loss sum, the count, and its timing
+        if self.ctx.world_size > 1:
+            # DDP: the logged loss is every rank's: the sums all-reduced (SUM: gloo's AVG is unreliable), over gloo.
+            dist.all_reduce(sums, group=self.ctx.control)
+        self.meter.fold(sums)
+
+    def save_model(self) -> None:
+        """The final weights: rank 0 writes model.pt (and --ema's model_ema.pt); every rank waits for it."""
+        if self.ctx.rank == 0:  # DDP: rank 0 alone writes; the others hold the same weights
+            out, progress = self.args.out_dir, self.progress
+            # Trap: save the raw module: DDP would prefix every key with "module.", torch.compile with "_orig_mod.".
+            atomic_save(self.model.state_dict(), f"{out}/model.pt")
+            if "ema" in self.state:
+                atomic_save(self.state["ema"].module.state_dict(), f"{out}/model_ema.pt")
+            took = datetime.timedelta(seconds=int(time.monotonic() - STARTED))
+            print(
+                f"saved {out}/model.pt: {progress.epoch} epoch(s), {progress.step} steps, {took} since launch"
+            )
+        # Trap: a barrier, so that no rank tears down before rank 0's files are written
+        wait_for_rank0(self.ctx)
+
+    @functools.cached_property
+    def params(self) -> list:  # every trainable parameter: what the gradient steps cover
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def loader_of(dataset, args, ctx) -> tuple:
+    """A DataLoader of this rank's batches, and its batch sampler: a list of micro-batches, each a list of
+    (epoch, index) keys, set before each pass. A sample's randomness comes from (--seed, epoch, index) alone."""
+    batches = []  # set before each pass
+    workers = data_workers(dataset, args, ctx)  # --workers -1: none on the CPU, a few with CUDA
+    loader = DataLoader(
+        SeededSamples(dataset, args.seed),  # seeds each sample, and collates the batch itself
+        batch_sampler=batches,
+        num_workers=workers,
+        persistent_workers=workers > 0,  # started once, not every epoch
+        pin_memory=ctx.device.type == "cuda",
+        collate_fn=SeededSamples.as_is,
+        worker_init_fn=SeededSamples.leave_signals_to_trainer,  # Trap: else a SIGTERM kills the workers first
+        generator=torch.Generator(),  # Trap: its base seed from a generator of its own: the global one is dropout's
+    )
+    return loader, batches
+
+
 # ############################################################################
 #                        THE LESSON ENDS HERE
 #   Below: the machinery, one section per feature. Each has one call site above.
 # ############################################################################
 
 
-def add_machinery_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("performance")
-    g.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off", help="autocast; fp16 adds loss scaling")
-    g.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
-    g.add_argument("--workers", type=at_least(-1), default=-1,
-                   help="DataLoader workers per process for Datasets that are not in-memory tensors (-1: none on "
-                        "the CPU, a few with CUDA; 0 for a Dataset holding CUDA tensors)")
-    g.add_argument("--count-flops", action=argparse.BooleanOptionalAction, default=True,
-                   help="count the training FLOPs per sample on the first batch (torch's FlopCounterMode): FLOP/s, MFU")
-    g.add_argument("--peak-tflops", type=at_least(0.0, strict=True), default=None,
-                   help="peak TFLOP/s of one GPU at the precision training runs in (bf16, TF32, ...), for MFU")
-    g = p.add_argument_group("your recipe")
-    g.add_argument("--max-steps", type=at_least(1), default=None, metavar="N",
-                   help="train exactly N optimizer steps, through as many epochs as that takes (overrides --epochs)")
-    g.add_argument("--schedule", choices=("cosine", "linear", "constant", "wsd"), default="cosine",
-                   help="after the warmup: cosine or linear decay to 0, constant, or wsd (warmup-stable-decay)")
-    g.add_argument("--weight-decay", type=at_least(0.0), default=0.01,
-                   help="the default AdamW's (torch's default), on parameters of 2 or more dimensions")
-    g.add_argument("--eval-every", type=at_least(0), default=0, metavar="N",
-                   help="also evaluate every N optimizer steps (0: at each epoch's end only)")
-    g.add_argument("--keep-best", metavar="METRIC",
-                   help="write best.pt when an evaluation improves METRIC (eval_loss...): lower is better for losses, "
-                        "higher for the rest, unless it ends in :min or :max")
-    g.add_argument("--ema", type=at_least(0.0, strict=True), default=None, metavar="DECAY",
-                   help="an exponential moving average of the weights (0.999...): eval_ema_*, model_ema.pt")
-    g.add_argument("--tensorboard", action="store_true", help="write TensorBoard curves under OUT_DIR/tensorboard")
-    g = p.add_argument_group("hangs and stragglers")
-    g.add_argument("--stall-seconds", type=at_least(0.0), default=300.0, metavar="S",
-                   help="S seconds without a step: each rank's stacks in OUT_DIR/stall/, who holds up whom (0: off)")
-    g.add_argument("--debug", action="store_true",
-                   help="torch's distributed debugging (INFO, NCCL_DEBUG=INFO, C++ stacks); ranks' in OUT_DIR/debug")
-    g = p.add_argument_group("model and optimizer")
-    g.add_argument("--clip-grad-norm", type=at_least(0.0, strict=True), default=None, metavar="MAX",
-                   help="clip the global gradient norm to MAX once per optimizer step")
-    g.add_argument("--find-unused-parameters", action="store_true",
-                   help="let parameters sit out some steps (DDP's find_unused_parameters; slower)")
-    g.add_argument("--sync-bn", action="store_true",
-                   help="SyncBatchNorm: statistics over the global batch (CUDA); implies --drop-last")
-    g.add_argument("--drop-last", action="store_true",
-                   help="drop each epoch's last, partial global batch (the same samples whatever the world size)")
-    g = p.add_argument_group("checkpoints and logging")
-    g.add_argument("--save-every", type=at_least(0), default=0, help="also checkpoint every N steps (0: off)")
-    g.add_argument("--log-seconds", type=at_least(0.0), default=30.0, metavar="S",
-                   help="a progress line at least every S seconds (step, loss, throughput, ETA; 0: off)")
-    g.add_argument("--save-minutes", type=at_least(0.0), default=30.0, metavar="M",
-                   help="also checkpoint every M minutes (0: off), so that a hard kill loses at most about M")
-    g.add_argument("--resume", default="auto",
-                   help="auto: continue from OUT_DIR/checkpoint.pt if there is one; never: start over; or a path")
-    g.add_argument("--init-from", metavar="PATH", help="start a new run from these weights (a model.pt)")
-    g = p.add_argument_group("elastic")
-    g.add_argument("--global-batch", type=at_least(1), default=None, metavar="G",
-                   help="the samples of one optimizer step, whatever the world size (--batch-size: the most per "
-                        "process and micro-batch): a resume on another world size (--nnodes=MIN:MAX) continues the run")
-    g = p.add_argument_group("launching")
-    g.add_argument("--timeout", type=at_least(0.0, strict=True), default=1800.0,
-                   help="seconds to wait for peers at start and in any collective before failing (a dead peer is "
-                        "noticed at once). Generous: one rank's cold compile can take minutes longer than another's")
-    g.add_argument("--spawn", type=at_least(0), default=0, help="start N local processes, no launcher needed")
+# ====== Arguments ==========================================================================================
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(prog=PROG, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = p.add_argument_group("training").add_argument
+    add("--epochs", type=at_least(1), default=3, help="passes over the training set")
+    add(
+        "--max-steps",
+        type=at_least(1),
+        help="train exactly N optimizer steps, through as many epochs as that "
+        "takes (overrides --epochs)",
+    )
+    add(
+        "--batch-size",
+        type=at_least(1),
+        default=64,
+        help="samples per process and micro-batch (global batch: this x world size x --grad-accum)",
+    )
+    add("--grad-accum", type=at_least(1), default=1, help="micro-batches per optimizer step")
+    add(
+        "--global-batch",
+        type=at_least(1),
+        help="the samples of one optimizer step, whatever the world size "
+        "(--batch-size: the most per process and micro-batch): a resume on another world size continues the run",
+    )
+    add(
+        "--drop-last",
+        action="store_true",
+        help="drop each epoch's last, partial global batch (the same samples "
+        "whatever the world size)",
+    )
+    add("--lr", type=at_least(0.0), default=1e-3, help="peak learning rate (build_optimizer's)")
+    add("--warmup-steps", type=at_least(0), default=0, help="linear warmup, then --schedule")
+    add(
+        "--schedule",
+        choices=("cosine", "linear", "constant", "wsd"),
+        default="cosine",
+        help="after the warmup: "
+        "cosine or linear decay to 0, constant, or wsd (warmup-stable-decay)",
+    )
+    add(
+        "--weight-decay",
+        type=at_least(0.0),
+        default=0.01,
+        help="the default AdamW's, on parameters of 2 or more dimensions",
+    )
+    add(
+        "--clip-grad-norm",
+        type=at_least(0.0, strict=True),
+        help="clip the global gradient norm to this once per optimizer step",
+    )
+    add(
+        "--ema",
+        type=at_least(0.0, strict=True),
+        help="an exponential moving average of the weights with this "
+        "decay (0.999...): eval_ema_*, model_ema.pt",
+    )
+    add("--seed", type=int, default=0, help="seeds the data, the initial weights and the shuffle")
+    add(
+        "--num-samples", type=at_least(1), default=32768, help="the default task's training samples"
+    )
+    add(
+        "--eval-samples",
+        type=at_least(0),
+        default=4096,
+        help="the default task's evaluation samples (0: none)",
+    )
+    add("--batch-norm", action="store_true", help="give the default task's model BatchNorm layers")
+    add = p.add_argument_group("evaluation, logging and checkpoints").add_argument
+    add(
+        "--out-dir",
+        default=OUT_DIR,
+        help="where rank 0 writes model.pt, checkpoints and metrics.jsonl",
+    )
+    add(
+        "--eval-every",
+        type=at_least(0),
+        default=0,
+        help="also evaluate every N optimizer steps (0: at each epoch's end only)",
+    )
+    add(
+        "--keep-best",
+        help="write best.pt when an evaluation improves this figure (eval_loss...): lower is "
+        "better for losses, higher for the rest, unless it ends in :min or :max",
+    )
+    add(
+        "--log-every",
+        type=at_least(0),
+        default=0,
+        help="a progress line and report() record every N optimizer steps (0: off)",
+    )
+    add(
+        "--log-seconds",
+        type=at_least(0.0),
+        default=30.0,
+        help="a progress line at least every S seconds (step, loss, throughput, ETA; 0: off)",
+    )
+    add(
+        "--tensorboard",
+        action="store_true",
+        help="write TensorBoard curves under OUT_DIR/tensorboard",
+    )
+    add("--save-every", type=at_least(0), default=0, help="also checkpoint every N steps (0: off)")
+    add(
+        "--save-minutes",
+        type=at_least(0.0),
+        default=30.0,
+        help="also checkpoint every M minutes (0: off), so that a hard kill loses at most about M",
+    )
+    add(
+        "--resume",
+        default="auto",
+        help="auto: continue from OUT_DIR/checkpoint.pt if there is one; never: "
+        "start over; or a path",
+    )
+    add("--init-from", help="start a new run from these weights (a model.pt)")
+    add = p.add_argument_group("performance, launching, hangs").add_argument
+    add(
+        "--amp",
+        choices=("off", "bf16", "fp16"),
+        default="off",
+        help="autocast; fp16 adds loss scaling",
+    )
+    add("--compile", action="store_true", help="torch.compile the DDP model")
+    add(
+        "--workers",
+        type=at_least(-1),
+        default=-1,
+        help="DataLoader workers per process (-1: none on the CPU "
+        "or for an in-memory TensorDataset, a few with CUDA; 0 for a Dataset holding CUDA tensors)",
+    )
+    add(
+        "--count-flops",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="count the training FLOPs per sample on the first batch (torch's FlopCounterMode)",
+    )
+    add(
+        "--peak-tflops",
+        type=at_least(0.0, strict=True),
+        help="peak TFLOP/s of one GPU at the precision training runs in (bf16, TF32, ...), for MFU",
+    )
+    add(
+        "--find-unused-parameters",
+        action="store_true",
+        help="let parameters sit out some steps (DDP's find_unused_parameters; slower)",
+    )
+    add(
+        "--sync-bn",
+        action="store_true",
+        help="SyncBatchNorm: statistics over the global batch (CUDA); implies --drop-last",
+    )
+    add(
+        "--timeout",
+        type=at_least(0.0, strict=True),
+        default=1800.0,
+        help="seconds to wait for peers at start "
+        "and in any collective before failing (a dead peer is noticed at once). Generous: one rank's cold "
+        "compile can take minutes longer than another's",
+    )
+    add("--spawn", type=at_least(0), default=0, help="start N local processes, no launcher needed")
+    add(
+        "--stall-seconds",
+        type=at_least(0.0),
+        default=300.0,
+        help="S seconds without a step: each rank's stacks "
+        "in OUT_DIR/stall/, who holds up whom (0: off)",
+    )
+    add(
+        "--debug",
+        action="store_true",
+        help="torch's distributed debugging (INFO, NCCL_DEBUG=INFO, C++ stacks); "
+        "the other ranks' output in OUT_DIR/debug",
+    )
     # The legacy `python -m torch.distributed.launch` also passes --local-rank=N (older torch: --local_rank N).
-    g.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
+    add("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.ema and args.ema >= 1:
+        fail(f"--ema {args.ema:g}: the decay is below 1 (0.999 keeps about the last 1000 steps)")
+    if args.global_batch and args.grad_accum > 1:
+        fail(
+            "--global-batch fixes the samples of a step and --grad-accum follows from it and the world size: "
+            "pass one of them"
+        )
+    if args.tensorboard:  # only this flag needs the package
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError:
+            fail("--tensorboard needs TensorBoard: pip install tensorboard")
+    return args
+
+
+# ====== Where this process is: torchrun's environment, the other launchers translated into it ==============
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# how long ranks wait for rank 0's own work (a checkpoint's write)
+PATIENT = datetime.timedelta(hours=1)
 
 
 @dataclasses.dataclass
-class Job:
-    """What the loop works with, built once by train()."""
-    args: argparse.Namespace
-    ctx: DistContext
-    model: nn.Module  # the raw model: saved, evaluated
-    ddp_model: nn.Module  # DDP(model), or the model itself in one process
-    forward: nn.Module  # ddp_model, compiled with --compile
-    optimizers: Optimizers  # build_optimizer's, as a list
-    scaler: torch.amp.GradScaler
-    state: dict  # every stateful part by name (model, optimizers, ...): what a checkpoint saves and restores
-    sampler: DistributedSampler
-    train_data: Loader
-    eval_data: Loader | None
-    global_batch: int
-    steps_per_epoch: int
-    total_steps: int  # the run's optimizer steps: --max-steps, or --epochs x steps_per_epoch
-    flops_per_sample: float | None  # training FLOPs (forward + backward), counted on the first batch
-    agreement: Agreement  # what the ranks decide together at each step: stop, log, save
-    step_count: StepCount  # the step's count over all ranks: samples from the plan, tokens summed
-    records: Records  # rank 0's: metrics.jsonl, TensorBoard, report()
-    typical_count: float = 1.0  # the first batch's count: the scale of the sums that backward sees
+class Context:
+    """This process's place (rank, GPU) and the stop signal it received. A signal handler only notes it
+    (trap: a collective inside a handler deadlocks); the ranks agree on it at a step (Agreement)."""
+
+    rank: int = 0  # this process, 0 .. world_size - 1
+    local_rank: int = 0  # this process on its node: which GPU it drives
+    world_size: int = 1
+    local_world_size: int = 1
+    launcher: str = "python"
+    # --timeout: how long a collective waits
+    timeout: datetime.timedelta = datetime.timedelta(minutes=30)
+    device: torch.device = torch.device("cpu")
+    # SIGTERM or SIGUSR1 (torchrun, Kubernetes, SLURM's --signal), or SIGINT (Ctrl-C);
+    received: int = 0
+    received_at: float = 0.0  # and when
+
+    @classmethod
+    def of_this_process(cls, args):
+        """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), other launchers' translated
+        into it; plain python has none of it: one process. Then its threads, GPU and signal handlers."""
+        launcher, env = adopt_launcher_environment(args), os.environ
+        world = int(env.get("WORLD_SIZE", 1))
+        ctx = cls(
+            int(env.get("RANK", 0)),
+            int(env.get("LOCAL_RANK", 0)),
+            world,
+            int(env.get("LOCAL_WORLD_SIZE", world)),
+            launcher,
+            datetime.timedelta(seconds=args.timeout),
+        )
+        # Threads: this process's share of the cores, unless the user chose (OMP_NUM_THREADS).
+        if "OMP_NUM_THREADS" not in env:
+            cores = (
+                len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            )
+            torch.set_num_threads(
+                cpus_per_process(
+                    cores, ctx.local_world_size, launcher, env.get("SLURM_CPUS_PER_TASK")
+                )
+            )
+        # --debug, before the process group starts: c10d's and DDP's checks (unused parameters named), NCCL's
+        # log and C++ stacks; every rank but 0 writes its stderr (fd 2, where C++ and NCCL log too) to a file.
+        # INFO: DETAIL made torch 2.13's CPU build segfault while building DDP; a TORCH_DISTRIBUTED_DEBUG of yours wins.
+        if args.debug:
+            env.setdefault("TORCH_DISTRIBUTED_DEBUG", "INFO")
+            env.update(TORCH_SHOW_CPP_STACKTRACES="1", NCCL_DEBUG="INFO")
+            dist.set_debug_level_from_env()  # torch.distributed read the variable when it was imported
+            if ctx.rank:
+                os.makedirs(f"{args.out_dir}/debug", exist_ok=True)
+                os.dup2(
+                    os.open(
+                        f"{args.out_dir}/debug/rank{ctx.rank}.log",
+                        os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                    ),
+                    2,
+                )
+        # (for CPU training on a GPU machine, hide the GPUs: CUDA_VISIBLE_DEVICES=)
+        if torch.cuda.is_available():
+            gpus = env.get("CUDA_VISIBLE_DEVICES")
+            choice = choose_gpu(
+                ctx.local_rank, ctx.local_world_size, torch.cuda.device_count(), launcher, gpus
+            )
+            if isinstance(choice, str):
+                fail(choice, ctx=ctx)
+            ctx.device = torch.device("cuda", choice)
+            # NCCL's: collectives dumped on a hang
+            for name, value in flight_recorder_env(args.out_dir).items():
+                env.setdefault(name, value)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, ctx.on_signal)
+        return ctx
+
+    def on_signal(self, signum, frame):
+        # A launcher that forwards the terminal's Ctrl-C delivers it twice within moments: that is one.
+        # A second Ctrl-C, a second or more after the first, stops at once, without saving.
+        if signum == signal.SIGINT == self.received and time.monotonic() - self.received_at > 1:
+            raise KeyboardInterrupt
+        if not self.received:
+            self.received, self.received_at = signum, time.monotonic()
+
+    backend = property(lambda self: "nccl" if self.device.type == "cuda" else "gloo")
 
     @functools.cached_property
-    def params(self) -> list[nn.Parameter]:  # every trainable parameter, listed once: what the gradient steps cover
-        return [p for p in self.model.parameters() if p.requires_grad]
+    def control(self):  # gloo, for small control messages beside training's (no GPU involved)
+        return dist.new_group(backend="gloo", timeout=self.timeout)
+
+    @functools.cached_property
+    def patient(self):  # gloo, for waiting on rank 0's own work
+        return dist.new_group(backend="gloo", timeout=PATIENT)
+
+
+def adopt_launcher_environment(args):
+    """Name the launcher, and give the ones that do not set torchrun's variables those variables."""
+    env = os.environ
+    # torchrun (torch.distributed.launch is it too), --spawn's workers
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "spawn" if args.spawn else "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
+    # A bare `srun python ddp_train.py`: srun sets SLURM_STEP_* for its tasks; an sbatch script running
+    # python directly sees the job's SLURM_NTASKS, but it is one process, not a task. The step's own
+    # variables win over the job's: a step may run on part of the allocation.
+    world = env.get("SLURM_STEP_NUM_TASKS", "1")
+    if world == "1" or "SLURM_PROCID" not in env:
+        return "python"
+    here = tasks_on_this_node(
+        env.get("SLURM_STEP_TASKS_PER_NODE", world), int(env.get("SLURM_NODEID", 0))
+    )
+    env.update(
+        RANK=env["SLURM_PROCID"],
+        WORLD_SIZE=world,
+        LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
+        LOCAL_WORLD_SIZE=str(here),
+    )
+    nodes = (
+        env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    )
+    env.setdefault("MASTER_ADDR", first_slurm_host(nodes or "localhost"))
+    # Every task derives the same port from the job id, so that two jobs on one node don't collide.
+    env.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
+    return "slurm"
+
+
+def tasks_on_this_node(tasks_per_node, node):
+    """SLURM_STEP_TASKS_PER_NODE lists every node's task count ('2(x2),1' -> 2, 2, 1); pick this node's.
+    It is always set, while SLURM_NTASKS_PER_NODE exists only when --ntasks-per-node was given."""
+    counts = [
+        int(n)
+        for n, times in re.findall(r"(\d+)(?:\(x(\d+)\))?", tasks_per_node)
+        for _ in range(int(times or 1))
+    ]
+    return counts[min(node, len(counts) - 1)]
+
+
+def first_slurm_host(nodelist):
+    """First host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07' (its prefix and first number)."""
+    return "".join(re.match(r"([^,\[]*)(?:\[(\d+))?", nodelist).groups(""))
+
+
+def choose_gpu(local_rank, local_world, visible, launcher, cuda_visible_devices):
+    """The index of this process's GPU among the visible ones, or why there is none (one line). Every
+    local process must drive a GPU of its own: NCCL refuses two ranks on one ("Duplicate GPU").
+    - As many visible GPUs as local processes, or more: cuda:LOCAL_RANK (torchrun, --spawn, the legacy
+      launcher, srun --gpus-per-node=8 --gpu-bind=none, where every task sees the node's GPUs).
+    - Fewer: only SLURM's per-task binding makes that right (srun --gpus-per-task=1: each task sees
+      just its own, as cuda:0). Anything else, torchrun --nproc_per_node=2 on a one-GPU machine say,
+      would put two processes on one GPU."""
+    if local_rank < visible and local_world <= visible:
+        return local_rank
+    if launcher == "slurm" and 0 < visible < local_world:
+        return 0
+    return (
+        f"every process on this node needs a GPU of its own, but LOCAL_RANK={local_rank} of LOCAL_WORLD_SIZE="
+        f"{local_world} sees {visible} (CUDA_VISIBLE_DEVICES={cuda_visible_devices or '<unset>'}): start at "
+        f"most {visible} process(es) per node, or give each process its own GPU (srun --gpus-per-task=1)"
+    )
+
+
+def cpus_per_process(affinity, local_world, launcher, slurm_cpus_per_task):
+    """Divide only what the processes share. A task that srun started with --cpus-per-task has that
+    many cores of its own (SLURM binds them: its affinity already is its share); the workers of
+    torchrun, --spawn or the legacy launcher share the cores their launcher had, as do srun tasks
+    without --cpus-per-task."""
+    if launcher == "slurm" and slurm_cpus_per_task:
+        return min(affinity, int(slurm_cpus_per_task))
+    return max(1, affinity // local_world)
+
+
+def flight_recorder_env(out_dir):
+    """NCCL's flight recorder: each rank keeps its last 2000 collectives and dumps them on a timeout to
+    OUT_DIR/nccl_trace_rank_{R} (in the out-dir, which exists: the recorder makes no directory). Both spellings:
+    torch 2.4 reads TORCH_NCCL_* alone, newer versions TORCH_FR_* too (seen in 2.15's library)."""
+    prefix = os.path.join(out_dir, "nccl_trace_rank_")
+    return {
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_FR_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": prefix,
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+    }
+
+
+def spawn_workers(args):
+    """--spawn N: start N local workers ourselves, on a free port, and forward stop signals."""
+    if "RANK" in os.environ or "SLURM_STEP_NUM_TASKS" in os.environ:
+        fail(
+            "--spawn starts its own processes: run it with plain python, not under torchrun or srun"
+        )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    context = mp.spawn(_spawn_worker, args=(args,), nprocs=args.spawn, join=False)
+    for sig in STOP_SIGNALS:
+        signal.signal(
+            sig,
+            lambda signum, _: [os.kill(p.pid, signum) for p in context.processes if p.is_alive()],
+        )
+    # After a failure the others get 15 s to end on their own (torch >= 2.6; before, they are stopped at once).
+    grace = (
+        {"grace_period": 15} if "grace_period" in inspect.signature(context.join).parameters else {}
+    )
+    try:
+        while not context.join(**grace):
+            pass
+    except mp.ProcessExitedException as exc:
+        return max(exc.exit_code, 1)  # (a negative code: a signal ended it)
+    return 0
+
+
+def _spawn_worker(local_rank, args):
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.spawn))
+    # A spawned process inherits "spawn" as its default start method, so its DataLoader workers would
+    # each start a fresh interpreter; give it the platform's default, as a torchrun worker has.
+    mp.set_start_method(None, force=True)
+    sys.exit(run(args))
+
+
+def rendezvous(ctx):
+    """How init_process_group finds its peers: MASTER_ADDR and MASTER_PORT, except under torchrun restarts.
+    torch >= 2.5 (seen through 2.13): torchrun's agent keeps one TCPStore for the whole job, and its
+    workers' keys carry no restart number, so after `--max-restarts` restarts the new workers can
+    read the dead ones' addresses and fail to connect (pytorch/pytorch#135712). Give every restart
+    its own namespace. TORCHELASTIC_RESTART_COUNT agrees within a node; across nodes, launch torchrun
+    with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (run_multi_node.sh does), which skips this."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {"init_method": "env://"}
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), ctx.world_size, False, timeout=ctx.timeout
+    )
+    return {
+        "store": dist.PrefixStore(
+            f"ddp_train/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store
+        )
+    }
+
+
+@contextlib.contextmanager
+def rank0_first(local=False):
+    """Rank 0 (local=True: the first process of each node) runs the body first, say to download or
+    build a cache, while the others wait for up to an hour; then the others run it."""
+    # (every rank makes it)
+    group = dist.is_initialized() and dist.new_group(backend="gloo", timeout=PATIENT)
+    first = not group or int(os.environ["LOCAL_RANK"] if local else dist.get_rank()) == 0
+    if not first:
+        dist.barrier(group)
+    yield
+    if first and group:
+        dist.barrier(group)
+
+
+def explain_failure(exc, ctx):
+    """The ends that deserve one line instead of a traceback from every rank."""
+    # The traceback holds training's frames, and with them the DDP model and the DataLoader workers:
+    # drop them, so that teardown can release those first.
+    chained = exc
+    while chained:
+        traceback.clear_frames(chained.__traceback__)
+        chained = chained.__context__
+    # A collective failed: a rank is gone, or hung past --timeout (gloo's own errors name it, or a timeout).
+    text = str(exc) if isinstance(exc, RuntimeError) else ""
+    lost_a_peer = isinstance(exc, dist.DistError) or "gloo" in text or "timeout" in text
+    if isinstance(exc, KeyboardInterrupt) or ctx.received == signal.SIGINT and lost_a_peer:
+        log(
+            ctx,
+            f"{PROG}: stopped by a second Ctrl-C, without saving; rerun the same command to continue from "
+            "the last checkpoint",
+            error=True,
+        )
+        raise SystemExit(130) from None
+    if isinstance(exc, Exception) and ctx.world_size > 1 and not dist.is_initialized():
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"  # what was tried; the launcher says the rest
+        fail(
+            f"rank {ctx.rank} could not join the {ctx.world_size}-process group at {where} within "
+            f"{ctx.timeout.total_seconds():g}s: {one_line(exc)}",
+            1,
+        )
+    if ctx.world_size > 1 and lost_a_peer:  # say what happened, not where we were waiting
+        fail(
+            f"rank {ctx.rank} lost contact with another process (it crashed, hung past --timeout, was killed, or its "
+            f"node left the network); rerun to resume from the last checkpoint. The error: {one_line(exc)}",
+            1,
+        )
+
+
+# ====== Agreeing at a step: a stop signal (preemption), and rank 0's clocks (progress lines, checkpoints) ======
+
+
+class Agreement:
+    """What every rank decides together after an optimizer step: stop (a signal), log a progress line, save
+    a checkpoint (rank 0's clocks: --log-seconds, --save-minutes; and --log-every, --save-every, which count
+    steps). Logging and saving are collectives, and the ranks' clocks and signals disagree, so they vote:
+    each rank's flags, summed by a small all-reduce over gloo (no GPU involved). A vote costs about a
+    millisecond on gloo, a third of a small model's step on 2 CPU cores: rank 0 proposes in each vote how
+    many steps until the next, about 0.25 s at its pace, at most 10 steps apart; what was due waits for the
+    next vote. The watchdog (--stall-seconds) starts here too."""
+
+    def __init__(self, t):
+        self.t, self.next_vote, self.voted = t, 0, (t.progress.step, time.monotonic())
+        self.logged_at = self.saved_at = time.monotonic()
+        # (Trap: not the trainer itself: the thread would keep its DataLoader workers alive past the run.)
+        threading.Thread(target=watchdog, args=(t.progress, t.args, t.ctx), daemon=True).start()
+
+    def decide(self):
+        """(stop, log, save) after the step just done: the same on every rank."""
+        args, ctx, step, now = self.t.args, self.t.ctx, self.t.progress.step, time.monotonic()
+        flags = [0] * 4
+        # the votes say when the next one is: the same step on every rank (one process: every step)
+        if step >= self.next_vote or ctx.world_size == 1:
+            flags[0] = ctx.received
+            # rank 0's clocks, and how many steps until the next vote (at its pace: s a step)
+            if ctx.rank == 0:
+                pace = max(now - self.voted[1], 1e-6) / (step - self.voted[0])
+                flags[1:] = [
+                    0 < args.log_seconds <= now - self.logged_at,
+                    0 < 60 * args.save_minutes <= now - self.saved_at,
+                    min(10, 1 + int(0.25 / pace)),
+                ]
+            if ctx.world_size > 1:
+                flags = torch.tensor(flags, dtype=torch.float64)
+                # SUM: every rank's say (the gap: rank 0's alone)
+                dist.all_reduce(flags, group=ctx.control)
+            self.next_vote, self.voted = step + int(flags[3]), (step, now)
+        stop = bool(flags[0] > 0)
+        log_now = bool(flags[1] > 0 or args.log_every and step % args.log_every == 0)
+        save_now = bool(flags[2] > 0 or args.save_every and step % args.save_every == 0)
+        self.logged_at = now if log_now else self.logged_at
+        self.saved_at = now if save_now or stop else self.saved_at
+        return stop, log_now, save_now
+
+    def stopped(self):
+        """The checkpoint is saved: say so, and return the exit code (130 after Ctrl-C, else 75: EX_TEMPFAIL)."""
+        t, code = self.t, 130 if self.t.ctx.received == signal.SIGINT else 75
+        log(
+            t.ctx,
+            f"stopped by a signal at step {t.progress.step}: {t.args.out_dir}/checkpoint.pt saved; rerun "
+            f"the same command to continue (exit code {code})",
+        )
+        return code
+
+
+# ====== When a run hangs: which rank, where, and why =========================================================
+
+# What a rank does: the innermost of these on its main thread's stack ("waiting": for the other ranks).
+PLACES = {
+    "call_compute_loss": "in compute_loss",
+    "__getitems__": "loading data",
+    "waits": "loading data",
+    "evaluate": "evaluating",
+    "atomic_save": "saving",
+    "step": "waiting in backward: the gradient all-reduce",
+    "fold": "waiting in the loss all-reduce",
+    "decide": "waiting in the vote",
+    "wait_for_rank0": "waiting for rank 0",
+}
+
+
+def watchdog(progress, args, ctx):
+    """--stall-seconds S, a thread in every rank: S seconds without an optimizer step, each rank writes its
+    threads' stacks to OUT_DIR/stall/rank{R}.txt and posts its step and place to the process group's TCP store
+    (which answers when collectives do not); rank 0 prints one report. Nothing per step; the run waits on."""
+    last, since, reported = -1, time.monotonic(), False
+    while args.stall_seconds:  # (0: off)
+        time.sleep(min(1, args.stall_seconds / 10))
+        if progress.step != last:
+            last, since, reported = progress.step, time.monotonic(), False
+        elif not reported and time.monotonic() - since >= args.stall_seconds:
+            reported = True
+            report_stall(args, ctx, last, time.monotonic() - since)
+
+
+def report_stall(args, ctx, step, seconds):
+    path = f"{args.out_dir}/stall/rank{ctx.rank}.txt"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+    stack = traceback.extract_stack(sys._current_frames()[threading.main_thread().ident])
+    place = next(
+        (PLACES[f.name] for f in reversed(stack) if f.filename == __file__ and f.name in PLACES), ""
+    )
+    # The innermost frame: your code's is where it is; torch's collectives wait.
+    inner, waiting = stack[-1], place.startswith("waiting")
+    if waiting and not inner.filename.startswith(os.path.dirname(torch.__file__)):
+        place = ""
+    elif not waiting and re.search("torch/(distributed|nn/parallel)", inner.filename):
+        place = f"waiting in a collective, {place}"
+    where = f"{place or 'in ' + inner.name} ({os.path.basename(inner.filename)}:{inner.lineno})"
+    ranks = [{"rank": ctx.rank, "step": step, "place": where, "stacks": path}]
+    if ctx.world_size > 1:  # a client of the store that init_process_group used (env://)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
+        )
+        keys = [
+            f"ddp_train/stall/{os.environ.get('TORCHELASTIC_RESTART_COUNT')}/{step}/{r}"
+            for r in range(ctx.world_size)
+        ]
+        store.set(keys[ctx.rank], json.dumps(ranks[0]))  # (this attempt, this step)
+        if ctx.rank:
+            return
+        with contextlib.suppress(dist.DistError):  # the others fire about when rank 0 does
+            store.wait(keys, datetime.timedelta(seconds=15))
+        missing = {"step": "?", "place": "no answer", "stacks": ""}
+        ranks = [
+            json.loads(store.get(k)) if store.check([k]) else {"rank": r, **missing}
+            for r, k in enumerate(keys)
+        ]
+    ranks.sort(key=lambda r: r["place"].startswith("waiting"))  # the ones the others wait for first
+    lines = "".join(f"\n  rank {r['rank']}: last step {r['step']}, {r['place']}" for r in ranks)
+    log(
+        ctx,
+        f"{PROG}: stall: no optimizer step for {seconds:.0f} s. Rank {ranks[0]['rank']} holds the others up: "
+        f"{ranks[0]['place']}; its stacks: {ranks[0]['stacks']}{lines}",
+        error=True,
+    )
+
+
+# ====== Deterministic data: a sample's randomness is a function of (seed, epoch, index) ====================
+
+try:  # optional; when present, a Dataset's numpy randomness is seeded like torch's
+    import numpy
+except ImportError:
+    numpy = None
+
+
+class SeededSamples(Dataset):
+    """The user's Dataset, seeded per sample: before sample i of epoch e loads (its key is (e, i)), each
+    global generator it may draw from (torch, Python's random, numpy) is seeded from (seed, e, i), whatever
+    the worker count, the world size, the order in which workers take batches, or where a run resumed. That
+    costs about 8 us a sample on a 2-core machine, whether or not the Dataset draws: one rule. An exact
+    TensorDataset draws nothing: a batch of it is one index gather per tensor."""
+
+    def __init__(self, dataset, seed):
+        self.dataset, self.seed = dataset, seed
+
+    def __getitems__(self, batch):
+        """One batch, collated: (epoch, sample indices) from the batch sampler. The DataLoader calls this, in a
+        worker or here."""
+        epoch, indices = batch
+        # (>> 1: + an index stays below 2**64)
+        data, first = self.dataset, mix_seed(self.seed, epoch) >> 1
+        # An exact TensorDataset (a subclass may augment) draws nothing: as default_collate batches its tuples.
+        if type(data) is TensorDataset and collate_fn is default_collate:
+            rows = torch.tensor(indices)
+            return [tensor[rows] for tensor in data.tensors]
+        # Trap: loaded here (no workers), the seeding must not reach the training process's own generators
+        # (dropout; a mixup's random.random() in compute_loss): all of them are put back as they were.
+        here = torch.utils.data.get_worker_info() is None
+        kept = rng_state("cpu") if here else None
+        items = []
+        for index in indices:  # the hot loop: a few us per sample, on top of the Dataset's own
+            s = first + index  # consecutive seeds are fine: each generator mixes its own
+            # Not torch.manual_seed: 100x slower, it visits every device.
+            torch.default_generator.manual_seed(s)
+            random.seed(s)
+            if numpy:
+                numpy.random.seed(s % 2**32)
+            items.append(data[index])
+        if here:
+            set_rng_state(kept, "cpu")
+        try:
+            # yours, assigned on this module, looked up now: in workers too
+            return collate_fn(items)
+        # a value, not an exception: it reaches the trainer from a worker as it is
+        except Exception as exc:
+            why = f"your collate_fn raised {type(exc).__name__}: {one_line(exc, last=True)}"
+            if collate_fn is default_collate:
+                why = (
+                    f"{one_line(exc, last=True)}. __getitem__ should return tensors, numbers or strings, or "
+                    "tuples, lists and dicts of them, with the same shapes for every item; items of different "
+                    "shapes need a collate_fn of yours that pads them"
+                )
+            return Unbatchable(f"cannot batch the items of {type(data).__name__}: {why}")
+
+    @staticmethod
+    def as_is(batch):  # the DataLoader's collate_fn: __getitems__ collated the batch
+        return batch
+
+    @staticmethod
+    def leave_signals_to_trainer(worker_id):
+        """A DataLoader worker exits on a SIGTERM its parent did not send, and torchrun, scancel and terminals
+        signal whole process groups: the trainer would die before it saves. The stop signals are its."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+class Unbatchable(str):
+    """Why the items of a batch could not be batched: the run stops with this line."""
+
+
+def on_device(batches, ctx):
+    """A DataLoader's batches on the device; one line for items it could not batch."""
+    # (an exception in a worker comes here with the worker's traceback in its message)
+    for batch in batches:
+        if isinstance(batch, Unbatchable):
+            fail(batch, ctx=ctx)
+        yield to_device(batch, ctx.device)
+
+
+def to_device(batch, device):
+    """Move a batch to the device: tensors, in any nesting of tuples (named ones too), lists and dicts."""
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch.to(device, non_blocking=True) if torch.is_tensor(batch) else batch
+
+
+def data_workers(dataset, args, ctx):
+    """--workers: -1 is none on the CPU (they would take the cores training needs) or for an exact
+    TensorDataset (a batch is one index gather), and on a GPU a few: a core each, one left for training."""
+    if args.workers >= 0 or ctx.device.type != "cuda" or type(dataset) is TensorDataset:
+        return max(args.workers, 0)
+    # (the threads: this process's share of the cores)
+    return min(4, max(1, torch.get_num_threads() - 1))
+
+
+def plan_steps(t):
+    """This rank's micro-batches in each step of the epoch. Step s trains the samples at [s, s + 1) x
+    global batch of the epoch's shuffle, which DistributedSampler deals out round-robin: this rank's
+    share of them is the same stretch of its share. (One process: all of them, in the same order.)"""
+    mine, each = my_share(t.sampler, t.ctx), t.global_batch // t.ctx.world_size
+    return [
+        split(mine[s * each : (s + 1) * each], t.args.batch_size) for s in range(t.steps_per_epoch)
+    ]
+
+
+def my_share(sampler, ctx):
+    """This rank's sample indices for the sampler's current epoch."""
+    # Trap: DistributedSampler pads with repeated samples so that every rank gets as many: they would
+    # be trained twice and counted twice in metrics. The real ones come first: keep only those.
+    return list(sampler)[: len(range(ctx.rank, len(sampler.dataset), ctx.world_size))]
+
+
+def split(indices, most):
+    """`indices` in as few batches of at most `most` as can hold them, their sizes differing by one at
+    most: 65 samples at 64 are 33 + 32, never 64 + 1 (BatchNorm cannot train on one sample)."""
+    n, size = math.ceil(len(indices) / most), len(indices)
+    return [indices[size * i // n : size * (i + 1) // n] for i in range(n)]
+
+
+def seed_everything(seed):
+    """Seed torch (every device), Python's random and numpy."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if numpy:
+        numpy.random.seed(seed % 2**32)
+
+
+@functools.lru_cache
+def mix_seed(*parts):
+    """A well-mixed 64-bit seed from integers and strings: the same in every process, machine and version."""
+    # a str seeds through SHA-512: no hash randomisation
+    return random.Random(repr(parts)).getrandbits(64)
+
+
+def rng_state(device):
+    """This process's random generators: torch, CUDA, Python's random and numpy (as plain values and tensors,
+    which a weights_only load reads)."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if numpy:
+        kind, keys, *rest = numpy.random.get_state()
+        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), *rest]
+    if str(device).startswith("cuda"):
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device):
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if numpy and "numpy" in state:
+        kind, keys, *rest = state["numpy"]
+        numpy.random.set_state((kind, keys.numpy().astype("uint32"), *rest))
+    if "cuda" in state and str(device).startswith("cuda"):
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class RankRNG:
+    """Every rank's random generators as a stateful part: state_dict() gathers all ranks' states (every
+    rank calls it), load_state_dict() restores this rank's. A new world size fits no saved stream: each
+    rank then gets a fresh, deterministic one."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def state_dict(self):
+        return everyone(rng_state(self.t.ctx.device), self.t.ctx)
+
+    def load_state_dict(self, states):
+        t = self.t
+        if len(states) == t.ctx.world_size:
+            set_rng_state(states[t.ctx.rank], t.ctx.device)
+        else:
+            seed_everything(mix_seed(t.args.seed, "rank", t.ctx.rank, t.progress.step))
 
 
 # ====== Checkpoints and exact resume ========================================================================
 
-CHECKPOINT_FORMAT = "ddp_train.checkpoint/3"  # /2: each stateful part under its own name; /3: optimizers, ema
-RANK_STREAM = -2  # mixed with --seed and the rank: each rank's own random stream for the model
+CHECKPOINT_FORMAT = "ddp_train.checkpoint/4"  # /4: the schedulers; the losses as means
 
 
 @dataclasses.dataclass
 class Progress:
     """Where the run is; checkpoints carry it."""
+
     epoch: int = 0  # epochs completed
     step_in_epoch: int = 0  # optimizer steps done in the current epoch
     step: int = 0  # optimizer steps done in total
-    loss_sum: float = 0.0  # the current epoch's global train-loss sum and its count so far,
-    samples: int = 0  # ... and samples trained, so that a resumed epoch still logs the exact means
+    # the current epoch's samples trained, and its global train-loss sum and count so far,
+    samples: int = 0
+    loss_sum: float = 0.0  # so that a resumed epoch still logs the exact means
     count: float = 0.0
-    max_norm: float | None = None  # the epoch's largest gradient norm so far (before clipping)
-    skipped: int = 0  # fp16: the epoch's steps that the GradScaler skipped
+    max_norm: float | None = None  # the epoch's largest gradient norm so far (before clipping), and
+    skipped: int = 0  # (fp16) its steps that the GradScaler skipped
     best: float | None = None  # --keep-best: the best evaluation so far
+    # tokens: the last step's count over all ranks (a 0-dim tensor once training)
+    expected: float = 0.0
 
-    def step_done(self, samples: int):
-        self.step, self.step_in_epoch, self.samples = self.step + 1, self.step_in_epoch + 1, self.samples + samples
+    def step_done(self, samples):
+        self.step, self.step_in_epoch = self.step + 1, self.step_in_epoch + 1
+        self.samples += samples
 
     def next_epoch(self):  # the epoch's own fields back to their defaults
-        self.__dict__.update(Progress(epoch=self.epoch + 1, step=self.step, best=self.best).__dict__)
+        self.__init__(self.epoch + 1, 0, self.step, best=self.best, expected=self.expected)
 
-    def state_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    def state_dict(self):
+        return dict(self.__dict__)
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state):
         self.__dict__.update(state)
 
 
-class RankRNG:
-    """Every rank's random generators (torch, CUDA, Python, numpy) as a stateful part: state_dict()
-    gathers all ranks' states (every rank calls it), load_state_dict() restores this rank's. A new
-    world size fits no saved stream: each rank then gets a fresh, deterministic one."""
-
-    def __init__(self, ctx: DistContext, seed: int, progress: Progress):
-        self.ctx, self.seed, self.progress = ctx, seed, progress
-
-    def state_dict(self) -> list[dict]:
-        return everyone(rng_state(self.ctx.device), self.ctx)
-
-    def load_state_dict(self, states: list[dict]) -> None:
-        if len(states) == self.ctx.world_size:
-            set_rng_state(states[self.ctx.rank], self.ctx.device)
-        else:
-            seed_everything(mix_seed(self.seed, RANK_STREAM, self.ctx.rank, self.progress.step))
+def every_parameter_once(built, model, ctx):
+    """build_optimizer's optimizer(s) as a list, each trainable parameter in exactly one of them."""
+    optimizers = list(built) if isinstance(built, (list, tuple)) else [built]
+    owners = collections.Counter(
+        id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]
+    )
+    odd = [name for name, p in model.named_parameters() if p.requires_grad and owners[id(p)] != 1]
+    if odd:
+        fail(
+            f"build_optimizer must give every trainable parameter to exactly one optimizer; {len(odd)} are in "
+            f"none or in several: {', '.join(odd[:5])}{', ...' if len(odd) > 5 else ''}",
+            ctx=ctx,
+        )
+    return optimizers
 
 
-class Optimizers(list):
-    """build_optimizer's optimizer(s) as one stateful part; every trainable parameter in exactly one of them."""
-
-    def __init__(self, built, model: nn.Module, ctx: DistContext):
-        super().__init__(built if isinstance(built, (list, tuple)) else [built])
-        owners = collections.Counter(id(p) for opt in self for group in opt.param_groups for p in group["params"])
-        odd = [name for name, p in model.named_parameters() if p.requires_grad and owners[id(p)] != 1]
-        if odd:
-            fail(f"build_optimizer must give every trainable parameter to exactly one optimizer; {len(odd)} are in "
-                 f"none or in several: {', '.join(odd[:5])}{', ...' if len(odd) > 5 else ''}", ctx=ctx)
-
-    def state_dict(self) -> list[dict]:
-        return [optimizer.state_dict() for optimizer in self]
-
-    def load_state_dict(self, states: list[dict]) -> None:
-        for optimizer, state in zip(self, states, strict=True):
-            optimizer.load_state_dict(state)
+def run_config(t):
+    """What defines the run: a checkpoint's must match, except --epochs and --max-steps, which may grow. The
+    global batch, not its factors: 2 processes x 32 continue exactly as 1 x 64."""
+    names = "seed lr warmup_steps amp clip_grad_norm drop_last init_from schedule ema"
+    return {name: getattr(t.args, name) for name in names.split()} | {
+        "global_batch_size": t.global_batch,
+        "optimizers": [type(o).__name__ for o in t.optimizers],
+        "train_samples": len(t.train_set),
+        "eval_samples": len(t.eval_set or ()),
+    }
 
 
-class Checkpoints:
-    """Rank 0 writes OUT_DIR/checkpoint.pt atomically, keeping the one before as checkpoint.prev.pt;
-    every rank reads it onto its own device. A resumed run continues bit for bit: model, optimizer,
-    schedule, loss scaler, position in the epoch, every rank's RNG states. What defines the run
-    (config) must match, except --epochs, which may grow."""
-
-    def __init__(self, args, ctx: DistContext, train_set, eval_set, global_batch: int, optimizers: Optimizers):
-        self.args, self.ctx = args, ctx
-        self.path, self.prev = checkpoint_paths(args.out_dir)
-        # Note the global batch, not its factors: 2 processes x 32 continue exactly as 1 x 64.
-        self.config = {"seed": args.seed, "lr": args.lr, "global_batch_size": global_batch,
-                       "warmup_steps": args.warmup_steps, "amp": args.amp, "clip_grad_norm": args.clip_grad_norm,
-                       "drop_last": args.drop_last, "init_from": args.init_from, "schedule": args.schedule,
-                       "optimizers": [type(optimizer).__name__ for optimizer in optimizers], "ema": args.ema,
-                       "train_samples": len(train_set), "eval_samples": len(eval_set) if eval_set else 0}
-        if ctx.is_main:
-            os.makedirs(args.out_dir, exist_ok=True)
-
-    def resume(self, state: dict, steps_per_epoch: int, total_steps: int) -> bool:
-        """Load the checkpoint, if any, into every stateful part; False: a finished run (model.pt written again)."""
-        found, progress = load_checkpoint(self.args, self.ctx), state["progress"]
-        if found:
-            ckpt, path = found
-            check_same_model(ckpt["model"], state["model"], path, self.ctx)
-            self.check_same_run(ckpt["config"], path)
-            for name, part in state.items():  # in order: "rng" reads the progress restored before it
-                part.load_state_dict(ckpt[name])
-            steps = everyone(progress.step, self.ctx)  # every rank read the checkpoint itself: the same one?
-            if len(set(steps)) > 1:
-                fail(f"ranks resumed from different checkpoints (steps {min(steps)} to {max(steps)}): every node "
-                     "must see the same --out-dir (shared storage)", ctx=self.ctx)
-            if progress.step >= total_steps:
-                log(self.ctx, f"{path} holds a finished run ({progress.epoch} epochs, {progress.step} steps): "
-                              "nothing to train. Raise --epochs or --max-steps to train on, or start over with "
-                              "--resume never or another --out-dir")
-                save_model(state, self.args, self.ctx)
-                return False
-            log(self.ctx, f"resumed from {path} at epoch {progress.epoch + 1}, step {progress.step_in_epoch}/"
-                          f"{steps_per_epoch} ({progress.step} optimizer steps done, saved by world size "
-                          f"{ckpt['world_size']}); the learning-rate schedule spans {total_steps} steps")
-        elif self.args.init_from:
-            init_weights(state["model"], self.args.init_from, self.ctx)
+def resume(t):
+    """Rank 0 writes OUT_DIR/checkpoint.pt (save_checkpoint); every rank reads it itself here, onto the CPU, into
+    every stateful part: the resumed run continues bit for bit. False: a finished run (model.pt written again)."""
+    args, ctx, progress = t.args, t.ctx, t.progress
+    path = args.resume
+    if path == "auto":  # checkpoint.pt, or the one before if a save stopped between its two renames
+        path = next((p for p in checkpoint_paths(args.out_dir) if os.path.exists(p)), None)
+    if path in (None, "never"):
+        if args.init_from:  # a new run from saved weights (a model.pt, or a checkpoint's model)
+            saved = load(args.init_from, ctx, "--init-from")
+            fit(t.model, saved["model"] if "format" in saved else saved, args.init_from, ctx)
+            log(ctx, f"initialised the model from {args.init_from}")
         return True
+    ckpt = load(path, ctx, "--resume")
+    if ckpt.get("format") != CHECKPOINT_FORMAT:
+        fail(
+            f"{path} is not a checkpoint of this {PROG}: --init-from {path} starts a new run from the weights of a "
+            "model.pt or an older checkpoint; or move it away, or pass --resume never to start over",
+            ctx=ctx,
+        )
+    fit(t.model, ckpt["model"], path, ctx)
+    config, saved = run_config(t), ckpt["config"]
+    changed = [
+        f"{key} {saved.get(key)} -> {value}"
+        for key, value in config.items()
+        if saved.get(key) != value
+    ]
+    if changed:
+        fail(
+            f"cannot resume from {path}: {', '.join(changed)}; rerun with the same settings (on another world size, "
+            "--global-batch keeps the global batch), or start over with --resume never or another --out-dir",
+            ctx=ctx,
+        )
+    # Every part but the model (fit loaded it), in order: "rng" reads the progress restored before it.
+    for name, part in t.state.items():
+        if name != "model":  # (a list, the optimizers or the schedulers: each of its parts)
+            parts = (
+                zip(part, ckpt[name], strict=True)
+                if isinstance(part, list)
+                else [(part, ckpt[name])]
+            )
+            for one, saved in parts:
+                one.load_state_dict(saved)
+    # A longer run: the next step's lr from the schedule as it now is. (A LambdaLR's function is not in its
+    # state, and it knows the new total; the optimizer's lr is the old schedule's.)
+    for s in t.schedulers:
+        if isinstance(s, LambdaLR):
+            for group, base, factor in zip(s.optimizer.param_groups, s.base_lrs, s.lr_lambdas):
+                group["lr"] = base * factor(s.last_epoch)
+    steps = everyone(progress.step, ctx)  # every rank read the file itself: the same one?
+    if min(steps) < max(steps):
+        fail(
+            f"ranks resumed from different checkpoints (steps {min(steps)} to {max(steps)}): every node must see "
+            "the same --out-dir (shared storage)",
+            ctx=ctx,
+        )
+    if progress.step >= t.total_steps:
+        log(
+            ctx,
+            f"{path} holds a finished run ({progress.epoch} epochs, {progress.step} steps): nothing to train. "
+            "Raise --epochs or --max-steps to train on, or start over with --resume never or another --out-dir",
+        )
+        t.save_model()
+        return False
+    log(
+        ctx,
+        f"resumed from {path} at epoch {progress.epoch + 1}, step {progress.step_in_epoch}/{t.steps_per_epoch} "
+        f"({progress.step} optimizer steps done, saved by world size {ckpt['world_size']}); the learning-rate "
+        f"schedule spans {t.total_steps} steps",
+    )
+    return True
 
-    def check_same_run(self, saved: dict, path: str) -> None:
-        differences = [f"{key} {saved.get(key)} -> {value}" for key, value in self.config.items()
-                       if saved.get(key) != value]
-        if differences:
-            fail(f"cannot resume from {path}: {', '.join(differences)}; rerun with the same settings (on another world "
-                 "size, --global-batch keeps the global batch), or start over with --resume never or another --out-dir",
-                 ctx=self.ctx)
 
-    def save(self, job: Job) -> None:
-        """All ranks: every stateful part's state (the RNG's gathers every rank's); rank 0 writes; everyone
-        waits for the write."""
-        state = {name: part.state_dict() for name, part in job.state.items()}  # the raw module: no prefixes
-        check_finite(job.model, f"the weights after step {job.state['progress'].step}", self.ctx)
-        if self.ctx.is_main:
-            atomic_save({"format": CHECKPOINT_FORMAT, "config": {**self.config, "epochs": self.args.epochs},
-                         "world_size": self.ctx.world_size, **state}, self.path, keep_previous=self.prev)
-        wait_for_rank0(self.ctx)  # a write longer than --timeout must not look like a dead peer
-        job.agreement.saved_at = time.monotonic()  # --save-minutes counts from here
-
-
-def checkpoint_paths(out_dir: str) -> tuple[str, str]:
-    return os.path.join(out_dir, "checkpoint.pt"), os.path.join(out_dir, "checkpoint.prev.pt")
+def save_checkpoint(t):
+    """All ranks: every stateful part's state (the RNG's gathers every rank's); rank 0 writes it atomically,
+    keeping the one before as checkpoint.prev.pt; everyone waits for the write."""
+    state = {
+        name: [one.state_dict() for one in part] if isinstance(part, list) else part.state_dict()
+        for name, part in t.state.items()
+    }  # (the raw module: no prefixes)
+    check_finite(t.model, f"the weights after step {t.progress.step}", t.ctx)
+    if t.ctx.rank == 0:
+        state.update(
+            format=CHECKPOINT_FORMAT,
+            config=run_config(t) | {"epochs": t.args.epochs},
+            world_size=t.ctx.world_size,
+        )
+        atomic_save(state, *checkpoint_paths(t.args.out_dir))
+    wait_for_rank0(t.ctx)  # a write longer than --timeout must not look like a dead peer
+    t.agreement.saved_at = time.monotonic()  # --save-minutes counts from here
 
 
-def atomic_save(obj, path: str, keep_previous: str | None = None) -> None:
+def checkpoint_paths(out_dir):
+    return f"{out_dir}/checkpoint.pt", f"{out_dir}/checkpoint.prev.pt"
+
+
+def atomic_save(obj, path, keep_previous=None):
     """Write to a temp file, flush + fsync, then rename: a crash never leaves a torn file.
     With keep_previous, the file being replaced is kept under that name."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
+    with open(f"{path}.tmp", "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
     if keep_previous and os.path.exists(path):
         os.replace(path, keep_previous)
-    os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    os.fsync(dir_fd)  # make the rename itself durable
-    os.close(dir_fd)
+    os.replace(f"{path}.tmp", path)
+    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    os.fsync(directory)  # make the rename itself durable
+    os.close(directory)
 
 
-def load_checkpoint(args, ctx: DistContext) -> tuple[dict, str] | None:
-    """Read the checkpoint to resume from, or None for a fresh start. A checkpoint that cannot be read
-    stops the run: starting fresh would write over it (checkpoint.prev.pt holds the one before)."""
-    if args.resume == "never":
-        return None
-    path = args.resume
-    if args.resume == "auto":  # checkpoint.pt, or the one before if a save stopped between its two renames
-        path = next((p for p in checkpoint_paths(args.out_dir) if os.path.exists(p)), None)
-        if path is None:
-            return None
-    elif not os.path.isfile(path):
-        fail(f"--resume {path}: no such file", ctx=ctx)
+def load(path, ctx, flag):
+    """A checkpoint or weights file, read onto the CPU. One that cannot be read stops the run: starting over
+    would write over it (checkpoint.prev.pt holds the one before)."""
+    if not os.path.isfile(path):
+        fail(f"{flag} {path}: no such file", ctx=ctx)
     try:
-        ckpt = torch.load(path, **checkpoint_load_options(ctx.device.type, path))
+        return torch.load(path, **checkpoint_load_options(ctx.device.type, path))
     except Exception as exc:
-        fail(f"{path} is unreadable ({one_line(exc)[:120]}): move it away, resume from the one before with "
-             f"--resume {checkpoint_paths(args.out_dir)[1]}, or pass --resume never to start over", ctx=ctx)
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        fail(f"{path} is not a checkpoint of this {PROG}: --init-from {path} starts a new run from the weights of a "
-             "model.pt or an older checkpoint; or move it away, or pass --resume never to start over", ctx=ctx)
-    return ckpt, path
+        prev = checkpoint_paths(os.path.dirname(path))[1]
+        fix = f"move it away, resume from the one before with --resume {prev}, or pass --resume never to start over"
+        fail(
+            f"{path} is unreadable ({one_line(exc)[:120]}): {fix if flag == '--resume' else 'pass another file'}",
+            ctx=ctx,
+        )
 
 
-def checkpoint_load_options(device_type: str, path: str) -> dict:
+def checkpoint_load_options(device_type, path):
     """torch.load's options: onto the CPU always, and load_state_dict then copies the tensors into place. Trap:
     map_location. Without it every rank loads onto the GPU that saved; with map_location=cuda each GPU holds the
     whole checkpoint beside the model until load_state_dict is done: OOM. Memory-mapped when training on GPUs: the
@@ -680,932 +1401,306 @@ def checkpoint_load_options(device_type: str, path: str) -> dict:
     the page cache already shares the file). Trap: only torch's zip format maps; a legacy file (torch.save(...,
     _use_new_zipfile_serialization=False), or torch < 1.6) makes torch.load(mmap=True) raise (serialization.py), so
     it is read."""
-    return {"map_location": "cpu", "mmap": device_type != "cpu" and zipfile.is_zipfile(path), "weights_only": True}
+    return {
+        "map_location": "cpu",
+        "mmap": device_type != "cpu" and zipfile.is_zipfile(path),
+        "weights_only": True,
+    }
 
 
-def init_weights(model: nn.Module, path: str, ctx: DistContext) -> None:
-    """--init-from: a new run starts from saved weights (a model.pt, or a checkpoint's model)."""
+def fit(model, weights, path, ctx):
+    """Saved weights into build_model()'s model, or one line saying how the two differ (in torch's words)."""
     try:
-        saved = torch.load(path, **checkpoint_load_options(ctx.device.type, path))
-    except Exception as exc:
-        fail(f"--init-from {path}: cannot read it ({one_line(exc)[:120]})", ctx=ctx)
-    if isinstance(saved, dict) and str(saved.get("format")).startswith("ddp_train.checkpoint/"):
-        saved = saved["model"]  # a checkpoint of any version: its model
-    check_same_model(saved, model, path, ctx)
-    model.load_state_dict(saved)
-    log(ctx, f"initialised the model from {path}")
+        model.load_state_dict(weights)
+    except RuntimeError as exc:  # (missing and unexpected keys, shapes that differ)
+        fail(
+            f"the model differs from the one in {path}: {' '.join(str(exc).split())[:600]}. Build the same model, "
+            "or start over with --resume never or another --out-dir",
+            ctx=ctx,
+        )
 
 
-def check_same_model(saved: dict, model: nn.Module, path: str, ctx: DistContext) -> None:
-    """One line naming how build_model() differs from the saved weights (names and shapes)."""
-    now = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    then = {k: tuple(v.shape) for k, v in saved.items()} if isinstance(saved, dict) else {}
-    changed = [f"{k} {list(then[k])} -> {list(now[k])}" for k in now if k in then and then[k] != now[k]]
-    new, gone = [k for k in now if k not in then], [k for k in then if k not in now]
-    parts = [f"{len(v)} {what} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
-             for what, v in (("changed shape", changed), ("new", new), ("gone", gone)) if v]
-    if parts:
-        fail(f"the model differs from the one in {path}: {'; '.join(parts)}. Build the same model, or start over "
-             "with --resume never or another --out-dir", ctx=ctx)
-
-
-def rng_state(device: torch.device) -> dict:
-    """This process's random generators: torch, CUDA, Python's random and numpy (as plain values, which
-    a weights_only load reads)."""
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if numpy is not None:
-        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
-        rng["numpy"] = [kind, keys.tolist(), pos, has_gauss, gauss]
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device)
-    return rng
-
-
-def set_rng_state(rng: dict, device: torch.device) -> None:
-    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in rng["python"]))
-    torch.set_rng_state(rng["torch"].cpu())
-    if numpy is not None and "numpy" in rng:
-        kind, keys, pos, has_gauss, gauss = rng["numpy"]
-        numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, gauss))
-    if "cuda" in rng and device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
-
-
-def wait_for_rank0(ctx: DistContext) -> None:
-    """All ranks wait here until rank 0 is done with its own work: the others for up to
-    PATIENT_TIMEOUT, rank 0 (which arrives last) for --timeout only, so that a peer lost meanwhile
-    is reported within --timeout, not after an hour. (monitored_barrier enforces its timeout on
-    rank 0 alone; the others wait as long as the group's.)"""
-    if ctx.distributed:
-        dist.monitored_barrier(group=ctx.patient_group, timeout=ctx.timeout)
-
-
-def check_finite(model: nn.Module, what: str, ctx: DistContext) -> None:
+def check_finite(model, what, ctx):
     """Nothing non-finite is ever written over good weights."""
-    if not all(bool(p.isfinite().all()) for p in model.parameters()):
+    if not all(p.isfinite().all() for p in model.parameters()):
         diverged(f"{what} are not finite (nan or inf)", ctx)
 
 
-def diverged(what: str, ctx: DistContext) -> None:
-    fail(f"{what}: the run diverged and stopped; nothing non-finite was saved, the last checkpoint is intact. "
-         "Lower --lr, or try --clip-grad-norm 1.0", code=1, ctx=ctx)
+def diverged(what, ctx):
+    fail(
+        f"{what}: the run diverged and stopped; nothing non-finite was saved, the last checkpoint is intact. "
+        "Lower --lr, or try --clip-grad-norm 1.0",
+        1,
+        ctx,
+    )
 
 
-# ====== Agreeing at every step: a stop signal (preemption), and rank 0's clocks (progress lines, checkpoints) ======
-
-EXIT_PREEMPTED = 75  # after SIGTERM or SIGUSR1, once the checkpoint is saved: EX_TEMPFAIL, "run again"
-EXIT_INTERRUPTED = 130  # after Ctrl-C (SIGINT), once the checkpoint is saved: the shell's convention
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-
-class Agreement:
-    """What every rank decides together after each optimizer step: stop (a signal: SIGTERM and SIGUSR1,
-    which torchrun, Kubernetes and SLURM's --signal send, or Ctrl-C), log a progress line, save a
-    checkpoint (rank 0's clocks: --log-seconds, --save-minutes). Logging and saving are collectives, and
-    the ranks' clocks and signals disagree, so each rank's flags() are summed over all ranks by a vote:
-    an all-reduce over gloo that one step starts and a later one reads, long done by then (it never waits
-    on the network or a GPU). A vote costs about a millisecond on gloo (a third of a small model's step
-    on 2 CPU cores), so rank 0 proposes in each vote how many steps until the next: about VOTE_SECONDS at
-    its pace, at most VOTE_STEPS (a pace that changes cannot put a vote far off). What was due comes at
-    most about two votes later. A signal handler only sets a flag (trap: a collective inside a handler
-    deadlocks). A second Ctrl-C, a second or more after the first, stops at once, without saving."""
-
-    VOTE_SECONDS, VOTE_STEPS = 0.25, 10
-
-    def __init__(self, ctx: DistContext, args):
-        self.ctx, self.args, self.received, self.received_at, self.pending = ctx, args, 0, 0.0, None
-        self.flag, self.next_vote, self.gap, self.voted = None, 0, 1, None  # voted: (step, time)
-        self.logged_at = self.saved_at = time.monotonic()
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._handler)
-        self.step = 0  # the last finished optimizer step, which the watchdog (--stall-seconds) reads
-        threading.Thread(target=watchdog, args=(self, args, ctx), daemon=True).start()
-
-    def _handler(self, signum, frame):
-        # A launcher that forwards the terminal's Ctrl-C delivers it twice within moments: that is one.
-        if signum == signal.SIGINT and self.received == signal.SIGINT and time.monotonic() - self.received_at > 1:
-            raise KeyboardInterrupt
-        if not self.received:
-            self.received, self.received_at = signum, time.monotonic()
-
-    def flags(self) -> list[float]:
-        """This rank's say: a stop signal; on rank 0, whether a progress line and a checkpoint are due."""
-        now, clock = time.monotonic(), self.ctx.is_main
-        log_due = clock and self.args.log_seconds > 0 and now - self.logged_at >= self.args.log_seconds
-        save_due = clock and self.args.save_minutes > 0 and now - self.saved_at >= 60 * self.args.save_minutes
-        return [float(self.received != 0), float(log_due), float(save_due)]
-
-    def decide(self, step: int) -> tuple[bool, bool, bool]:
-        """(stop, log, save) after optimizer step `step`: the same on every rank. --save-every counts
-        steps, which the ranks agree on without asking."""
-        self.step, voting = step, step >= self.next_vote  # the votes say when the next one is: the same on every rank
-        stop, log_now, save_due = (total > 0 for total in self.last_vote()) if voting else (False,) * 3
-        save_now = save_due or bool(self.args.save_every and step % self.args.save_every == 0)
-        if log_now:
-            self.logged_at = time.monotonic()
-        if save_now or stop:
-            self.saved_at = time.monotonic()
-        if voting:
-            self.vote(step)  # after the clocks were reset: what was due is not voted for again
-        return stop, log_now, save_now
-
-    def last_vote(self) -> list[float]:
-        """All ranks' flags as the last vote summed them (this rank's own now, in one process)."""
-        if not self.ctx.distributed:
-            return self.flags()
-        if self.pending is None:
-            return [0.0] * 3
-        self.close()
-        *flags, gap = self.flag.tolist()
-        self.gap = max(1, int(gap))  # rank 0's proposal (the others sent 0)
-        return flags
-
-    def vote(self, step: int) -> None:
-        """Start summing this rank's flags over all ranks, read at the next vote, `gap` steps from here.
-        Rank 0 proposes the gap after that one: about VOTE_SECONDS at the pace of the steps since its last."""
-        if not self.ctx.distributed:
-            return
-        now, gap = time.monotonic(), 0
-        if self.ctx.is_main and self.voted:
-            per_step = (now - self.voted[1]) / (step - self.voted[0])
-            gap = max(1, min(self.VOTE_STEPS, int(self.VOTE_SECONDS / max(per_step, 1e-6))))
-        self.voted, self.next_vote = (step, now), step + self.gap
-        self.flag = torch.tensor([*self.flags(), float(gap)])
-        self.pending = dist.all_reduce(self.flag, group=self.ctx.control_group, async_op=True)  # SUM
-
-    def close(self) -> None:
-        """Wait for the last agreement still on the wire (before the process group goes)."""
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-
-    def stopped(self, progress: Progress, out_dir: str) -> int:
-        """The checkpoint is saved: say so, and return the exit code."""
-        self.close()
-        code = EXIT_INTERRUPTED if self.received == signal.SIGINT else EXIT_PREEMPTED
-        log(self.ctx, f"stopped by a signal at step {progress.step}: {os.path.join(out_dir, 'checkpoint.pt')} saved; "
-                      f"rerun the same command to continue (exit code {code})")
-        return code
+def wait_for_rank0(ctx):
+    """All ranks wait here until rank 0 is done with its own work: the others for up to an hour, rank 0
+    (which arrives last) for --timeout only, so that a peer lost meanwhile is reported within --timeout,
+    not after an hour. (monitored_barrier enforces its timeout on rank 0 alone.)"""
+    if ctx.world_size > 1:
+        dist.monitored_barrier(ctx.patient, ctx.timeout)
 
 
-def explain_failure(exc: BaseException, ctx: DistContext, agreement: Agreement) -> None:
-    """The ends that deserve one line instead of a traceback from every rank."""
-    # The traceback holds train()'s frames, and with them the DDP model and the DataLoader
-    # workers: drop them, so that teardown can release those first.
-    chained = exc
-    while chained is not None:
-        traceback.clear_frames(chained.__traceback__)
-        chained = chained.__context__
-    gloo = isinstance(exc, RuntimeError) and ("gloo" in str(exc) or "timeout" in str(exc))  # gloo's own errors
-    lost_a_peer = isinstance(exc, dist.DistError) or gloo  # a collective failed: a rank is gone, or hung past --timeout
-    if isinstance(exc, KeyboardInterrupt) or (agreement.received == signal.SIGINT and lost_a_peer):
-        log(ctx, f"{PROG}: stopped by a second Ctrl-C, without saving; rerun the same command to continue from "
-                 "the last checkpoint", error=True)
-        raise SystemExit(EXIT_INTERRUPTED) from None
-    if ctx.distributed and lost_a_peer:  # say what happened, not where we were waiting
-        fail(f"rank {ctx.rank} lost contact with another process (it crashed, hung past --timeout, was killed, or its "
-             f"node left the network); rerun to resume from the last checkpoint. The error: {one_line(exc)}", code=1)
-
-
-# ====== When a run hangs: which rank, where, and why =========================================================
-
-# What a rank does: the innermost of these on its main thread's stack ("waiting": for the other ranks).
-PLACES = {"call_compute_loss": "in compute_loss", "batches": "loading data", "evaluate": "evaluating",
-          "atomic_save": "saving", "train_step": "waiting in backward: the gradient all-reduce", "fold": "waiting in "
-          "the loss all-reduce", "last_vote": "waiting in the vote", "wait_for_rank0": "waiting for rank 0"}
-
-
-def watchdog(agreement: Agreement, args, ctx: DistContext) -> None:
-    """--stall-seconds S, a thread in every rank: S seconds without an optimizer step, each rank writes its
-    threads' stacks to OUT_DIR/stall/rank{R}.txt and posts its step and place to the process group's TCP store
-    (which answers when collectives do not); rank 0 prints one report. Nothing per step; the run waits on."""
-    last, since = -1, time.monotonic()
-    while args.stall_seconds:  # (0: off)
-        time.sleep(min(1.0, args.stall_seconds / 10))
-        if agreement.step != last:
-            last, since, reported = agreement.step, time.monotonic(), False
-        elif not reported and time.monotonic() - since >= args.stall_seconds:
-            reported = True
-            report_stall(last, time.monotonic() - since, args, ctx)
-
-
-def report_stall(step: int, seconds: float, args, ctx: DistContext) -> None:
-    path = os.path.join(args.out_dir, "stall", f"rank{ctx.rank}.txt")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        faulthandler.dump_traceback(f, all_threads=True)
-    stack = traceback.extract_stack(sys._current_frames()[threading.main_thread().ident])
-    place = next((PLACES[f.name] for f in reversed(stack) if f.filename == __file__ and f.name in PLACES), "")
-    inner = stack[-1].filename  # your code innermost (a hook, a forward) is where it is; torch's collectives wait
-    if place.startswith("waiting") and not inner.startswith(os.path.dirname(torch.__file__)):
-        place = ""
-    elif any(part in inner for part in ("torch/distributed", "torch/nn/parallel")) and not place.startswith("waiting"):
-        place = f"waiting in a collective, {place}"
-    where = f"{place or 'in ' + stack[-1].name} ({os.path.basename(stack[-1].filename)}:{stack[-1].lineno})"
-    ranks = [{"rank": ctx.rank, "step": step, "place": where, "stacks": path}]
-    if ctx.distributed:  # a client of the store that init_process_group used (env://)
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-        prefix = f"ddp_train/stall/{os.environ.get('TORCHELASTIC_RESTART_COUNT')}/{step}"  # this attempt, this step
-        keys = [f"{prefix}/{r}" for r in range(ctx.world_size)]
-        store.set(keys[ctx.rank], json.dumps(ranks[0]))
-        if not ctx.is_main:
-            return
-        with contextlib.suppress(dist.DistError):  # the others fire about when rank 0 does
-            store.wait(keys, datetime.timedelta(seconds=15))
-        ranks = [json.loads(store.get(k)) if store.check([k]) else dict(rank=r, step="?", place="no answer", stacks="")
-                 for r, k in enumerate(keys)]
-    ranks.sort(key=lambda r: r["place"].startswith("waiting"))  # the ones the others wait for first
-    log(ctx, f"{PROG}: stall: no optimizer step for {seconds:.0f} s. Rank {ranks[0]['rank']} holds the others up: "
-             f"{ranks[0]['place']}; its stacks: {ranks[0]['stacks']}\n"
-             + "\n".join(f"  rank {r['rank']}: last step {r['step']}, {r['place']}" for r in ranks), error=True)
-
-
-# ====== Deterministic data loading: a sample's randomness is a function of (seed, epoch, index) =============
-
-try:  # optional; when present, a Dataset's numpy randomness is seeded like torch's
-    import numpy
-except ImportError:
-    numpy = None
-
-EVAL_EPOCH = -1  # evaluation's own data seeds: the same in every epoch
-
-
-class Loader:
-    """Batches of a Dataset on the device. Every sample's randomness (its augmentation) depends
-    only on (--seed, epoch, sample index), whatever the worker count, the world size, the order in
-    which workers take batches, or where a run resumed."""
-
-    def __init__(self, dataset: Dataset, batch_size: int, ctx: DistContext, workers: int, seed: int):
-        self.dataset, self.batch_size, self.ctx = dataset, batch_size, ctx
-        # The DataLoader's batch sampler: the batches of the next pass, set before each (it iterates the list).
-        self.samples, self.plan, self.loader, self.waited = SeededSamples(dataset, seed), [], None, 0.0
-        on_gpu = ctx.device.type == "cuda"
-        if in_memory(dataset):  # no workers needed: a batch is one index gather
-            return
-        if workers < 0:  # by default none on the CPU (they would take the cores training needs), a few on a
-            workers = min(4, max(1, process_cpus(ctx) - 1)) if on_gpu else 0  # GPU: a core each, one for training
-        if workers > 0:
-            # Workers started once, not every epoch (persistent); a private generator for the
-            # loader's base seed, because the global one belongs to the model (dropout).
-            self.loader = DataLoader(self.samples, batch_sampler=self.plan, num_workers=workers,
-                                     persistent_workers=True, pin_memory=on_gpu, collate_fn=collate,
-                                     worker_init_fn=leave_signals_to_trainer, generator=torch.Generator())
-
-    def first_batch(self) -> tuple[object, int]:
-        """The training set's first micro-batch (samples 0, 1, ... of epoch 0), and its sample count."""
-        indices = list(range(min(self.batch_size, len(self.dataset))))
-        return next(self.batches([indices], 0)), len(indices)
-
-    def batches(self, micro_batches: list[list[int]], epoch: int):
-        """Yield the batches of `epoch` made of these sample indices, in order."""
-        if in_memory(self.dataset):
-            # In-memory tensors: gather a whole batch with one index op instead of collating samples.
-            tensors = self.dataset.tensors
-            flat = torch.tensor([i for rows in micro_batches for i in rows], device=tensors[0].device)
-            for rows in flat.split([len(rows) for rows in micro_batches]):
-                yield tuple(t[rows] for t in tensors)  # on the device already (place_dataset)
-            return
-        self.plan[:] = [[(epoch, i) for i in rows] for rows in micro_batches]
-        loaded = iter(self.loader) if self.loader else (load_here(self.samples, b) for b in self.plan)
-        clock = time.perf_counter()
-        for batch in loaded:  # (an exception in a worker comes here with the worker's traceback in its message)
-            self.waited += time.perf_counter() - clock  # for the stragglers' figures: the time spent waiting for data
-            if isinstance(batch, Unbatchable):
-                fail(f"cannot batch the items of {type(self.dataset).__name__}: {batch}", ctx=self.ctx)
-            yield to_device(batch, self.ctx.device)
-            clock = time.perf_counter()
-
-
-def in_memory(dataset) -> bool:
-    """Exactly a TensorDataset (a subclass may augment in its own __getitem__), batched by stacking."""
-    return type(dataset) is TensorDataset and collate_fn is default_collate
-
-
-class SeededSamples(Dataset):
-    """The user's Dataset, seeded per sample: before sample i of epoch e loads (its key is (e, i)),
-    each global generator it may draw from (torch, Python's random, numpy) is seeded from (seed, e, i).
-    That costs about 8 us a sample on a 2-core machine (torch's 2, random's 5, numpy's 1), whether or not
-    the Dataset draws: one rule, and no batch is ever loaded twice."""
-
-    def __init__(self, dataset: Dataset, seed: int):
-        self.dataset, self.seed, self.epoch_seeds = dataset, seed, {}
-
-    def __getitems__(self, keys: list[tuple[int, int]]) -> list:
-        """One batch's items (the DataLoader calls this, in a worker or here)."""
-        items = []
-        for epoch, index in keys:  # the hot loop: a few us per sample, on top of the Dataset's own
-            if epoch not in self.epoch_seeds:
-                self.epoch_seeds[epoch] = mix_seed(self.seed, epoch) >> 1  # + index stays below 2**64
-            s = self.epoch_seeds[epoch] + index  # consecutive seeds are fine: each generator mixes its own
-            torch.default_generator.manual_seed(s)  # not torch.manual_seed: 100x slower, it visits every device
-            random.seed(s)
-            if numpy is not None:
-                numpy.random.seed(s & 0xFFFFFFFF)  # 32 bits: per index within an epoch
-            items.append(self.dataset[index])
-        return items
-
-
-def load_here(samples: SeededSamples, keys: list) -> object:
-    """One batch loaded in the training process (no workers). Trap: the per-sample seeding must not
-    reach the training process's own generators (dropout, and whatever compute_loss draws: a mixup's
-    random.random()), so all of them are put back as they were."""
-    state = rng_state(torch.device("cpu"))
-    try:
-        return collate(samples.__getitems__(keys))
-    finally:
-        set_rng_state(state, torch.device("cpu"))
-
-
-def my_share(sampler: DistributedSampler, ctx: DistContext) -> list[int]:
-    """This rank's sample indices for the sampler's current epoch."""
-    # Trap: DistributedSampler pads with repeated samples so that every rank gets as many: they would
-    # be trained twice and counted twice in metrics. The real ones come first: keep only those.
-    return list(sampler)[: len(range(ctx.rank, len(sampler.dataset), ctx.world_size))]
+# ====== The step's count: every mean weighed exactly ========================================================
 
 
 class StepCount:
-    """DDP: the step's count (what compute_loss's losses sum over) over all ranks.
-    - Samples (COUNT_UNIT = "samples"): every rank knows it from the plan, so no rank sends anything.
-      That compute_loss really counts samples is checked on the first batch (warm_up) and at every fold.
-    - Any other unit (tokens): one small all-reduce, started before the step's last backward and waited
-      for after it: it runs while backward computes, ahead of the gradient buckets. On a GPU the count
-      stays there: no host-device sync in a step."""
+    """DDP: the step's count over all ranks (what compute_loss counts), which each micro-batch's mean is
+    weighed against before its backward: loss x count x world size / expected (DDP averages over the ranks).
+    - Samples (COUNT_UNIT = "samples"): every rank knows the step's count from its batches: expected is it,
+      exactly, and nothing is sent. That compute_loss really counts samples is checked at every fold.
+    - Any other unit (tokens): one small all-reduce of the step's count, started before its last backward
+      and waited for after it (it runs while backward computes). expected is the last step's count (saved
+      with the checkpoint); once the step's own is known, the gradients are scaled by expected / count. On a
+      GPU the count stays there: no host-device sync in a step."""
 
-    def __init__(self, ctx: DistContext):
-        self.ctx, self.count, self.work = ctx, 0, None
+    def __init__(self, t):
+        self.t, self.expected = t, None
 
-    def start(self, count, samples: int) -> None:
-        """This rank's count of the step, before the step's last backward; samples: the step's, all ranks'."""
-        self.count = count
+    def start(self, samples):
+        self.local = 0
         if COUNT_UNIT == "samples":
-            self.count = samples
-        elif self.ctx.distributed:
-            self.count = count_tensor(count, self.ctx.device)
-            self.work = dist.all_reduce(self.count, async_op=True)  # SUM
+            self.expected = samples
+        elif self.expected is None:  # this process's first step: the last step's count, as saved
+            self.expected = count_tensor(self.t.progress.expected, self.t.ctx.device)
 
-    def total(self):
-        """The step's count over all ranks: a number, or on a GPU a float64 tensor there (no host sync)."""
-        if self.work is not None:
+    def add(self, count, last):
+        """This rank's count of a micro-batch, before its backward."""
+        self.local += count
+        if last and COUNT_UNIT != "samples":
+            self.total = count_tensor(self.local, self.t.ctx.device)
+            self.work = self.t.ctx.world_size > 1 and dist.all_reduce(
+                self.total, async_op=True
+            )  # SUM
+
+    def finish(self):
+        """After the step's backward: the gradients as if weighed against the step's own count."""
+        if COUNT_UNIT == "samples":
+            return
+        if self.work:
             self.work.wait()  # on a GPU: the stream waits, not the host
-            self.work = None
-        return float(self.count) if self.ctx.device.type == "cpu" or not torch.is_tensor(self.count) else self.count
+        grads = [p.grad for p in self.t.params if p.grad is not None]
+        # Trap: a float64 scale on float32 gradients sends _foreach_mul_ to its slow path, one kernel per
+        # parameter (ForeachBinaryOpScalarTensor.cu takes the fast path only when the dtypes match).
+        torch._foreach_mul_(grads, (self.expected / self.total).to(grads[0].dtype))
+        self.expected = self.t.progress.expected = self.total
 
 
-def count_tensor(count, device: torch.device) -> torch.Tensor:
+def grad_norm(params, clip):
+    """The norm of the whole gradient, before clipping, and --clip-grad-norm's clip of it. Without a clip, a
+    norm alone (torch >= 2.6; before, clip_grad_norm_ to infinity, which multiplies every gradient by 1)."""
+    if clip or not hasattr(torch.nn.utils, "get_total_norm"):
+        return torch.nn.utils.clip_grad_norm_(params, clip or math.inf)
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
+
+def count_tensor(count, device):
     """A count (an int, a float or a 0-dim tensor) as a float64 0-dim tensor on the device, to all-reduce.
     Trap: torch.tensor(n, device="cuda") copies from pageable memory and so waits for all queued GPU
     work (tensor_new.cpp -> copy_kernel_cuda -> memcpy_and_sync); torch.full writes it there instead."""
     if torch.is_tensor(count):
-        return count.detach().to(device=device, dtype=torch.float64).reshape(())
-    return torch.full((), float(count), dtype=torch.float64, device=device)
-
-
-def check_count_unit(count: float, samples: int, ctx: DistContext) -> None:
-    """With COUNT_UNIT = "samples" the gradient's mean divides by the plan's sample count, not by what
-    compute_loss returned: the two must agree."""
-    if COUNT_UNIT == "samples" and count != samples:
-        fail(f"compute_loss counted {whole(count)} for {samples} samples, but COUNT_UNIT is \"samples\": return the "
-             "batch's sample count, or set COUNT_UNIT to what your count counts (ddp_train.COUNT_UNIT = \"tokens\")",
-             ctx=ctx)
-
-
-def whole(x: float):
-    """A count as JSON shows it best: an int when it is whole (tokens), else the float (weights)."""
-    return int(x) if float(x).is_integer() else x
-
-
-def count_steps(num_samples: int, global_batch: int, args, ctx: DistContext) -> int:
-    """Optimizer steps per epoch: the last one short, or with --drop-last (which --sync-bn implies) only
-    full ones. SyncBatchNorm runs collectives of its own in every forward and backward, so every rank
-    must run as many micro-batches as every other in every step: only full steps give them that."""
-    if args.sync_bn and ctx.distributed and not args.drop_last:
-        args.drop_last = True
-        log(ctx, f"--sync-bn: every step is a full global batch, as with --drop-last (the last "
-                 f"{num_samples % global_batch} sample(s) of each epoch sit out), so that every rank runs "
-                 "SyncBatchNorm's collectives alike")
-    if args.global_batch and args.grad_accum != 1:
-        fail("--global-batch fixes the samples of a step and --grad-accum follows from it and the world size: pass "
-             "one of them", ctx=ctx)
-    if global_batch % ctx.world_size:
-        fail(f"--global-batch {global_batch} is split evenly over the ranks, so the world size ({ctx.world_size}) "
-             "must divide it", ctx=ctx)
-    if args.ema is not None and args.ema >= 1:
-        fail(f"--ema {args.ema:g}: the decay is below 1 (0.999 keeps about the last 1000 steps)", ctx=ctx)
-    if args.drop_last and num_samples < global_batch:
-        fail(f"--drop-last: the {num_samples} training samples do not fill one global batch of {global_batch}", ctx=ctx)
-    return num_samples // global_batch if args.drop_last else math.ceil(num_samples / global_batch)
-
-
-def check_batchnorm_batch_sizes(model: nn.Module, num_samples: int, global_batch: int, steps: int, args,
-                                ctx: DistContext) -> None:
-    """Trap: BatchNorm cannot train on one sample ("Expected more than 1 value per channel"), and the
-    last step of an epoch can leave a rank one. Stop before training, on every rank alike, and say so."""
-    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        return
-    per_rank = global_batch // ctx.world_size
-    for rank in range(ctx.world_size):
-        share = len(range(rank, num_samples, ctx.world_size))  # what DistributedSampler deals this rank
-        for where, n in (("every step", per_rank), ("the last step", min(per_rank, share - (steps - 1) * per_rank))):
-            if 1 in (len(b) for b in split(range(max(0, n)), args.batch_size)):
-                fix = ("raise --batch-size" if where == "every step" else f"pass --drop-last to leave out the last "
-                       f"{num_samples % global_batch} sample(s) of each epoch ({num_samples} samples, global batch "
-                       f"{global_batch}), or change --batch-size")
-                fail(f"BatchNorm cannot train on a micro-batch of one sample, and {where} of each epoch would give "
-                     f"rank {rank} one: {fix}", ctx=ctx)
-
-
-def plan_steps(mine: list[int], job: Job) -> list[list[list[int]]]:
-    """This rank's micro-batches in each step of the epoch. Step s trains the samples at [s, s + 1) x
-    global batch of the epoch's shuffle, which DistributedSampler deals out round-robin: this rank's
-    share of them is the same stretch of `mine`. (One process: all of them, in the same order.)"""
-    per_rank = job.global_batch // job.ctx.world_size
-    return [split(mine[s * per_rank : (s + 1) * per_rank], job.args.batch_size) for s in range(job.steps_per_epoch)]
-
-
-def split(indices: list[int], most: int) -> list[list[int]]:
-    """`indices` in as few batches of at most `most` as can hold them, their sizes differing by one at
-    most: 65 samples at 64 are 33 + 32, never 64 + 1 (BatchNorm cannot train on one sample)."""
-    n = math.ceil(len(indices) / most)
-    bounds = [len(indices) * i // n for i in range(n + 1)] if n else []
-    return [indices[a:b] for a, b in zip(bounds, bounds[1:])]
-
-
-def zero_gradient_backward(ddp_model: nn.Module, step_count: StepCount, samples: int) -> None:
-    """A forward and backward through DDP that reads no data and contributes zero gradients, with a
-    count of 0, so that a rank without samples in a step still takes part in its collectives, in the
-    order every other rank runs them: the forward's buffer broadcast, the count, the gradient buckets.
-    The model's forward is swapped for one that uses every parameter and no randomness."""
-    module = ddp_model.module
-    params = [p for p in module.parameters() if p.requires_grad]
-    module.forward = lambda *_: sum(p.sum() for p in params) * 0.0
-    try:
-        zero = ddp_model(torch.zeros(()))  # Trap: with device_ids (CUDA), DDP's forward needs an input to move
-    finally:
-        del module.forward  # back to the class's own forward
-    step_count.start(0, samples)
-    zero.backward()
-
-
-def seed_everything(seed: int) -> None:
-    """Seed torch (every device), Python's random and numpy."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-    if numpy is not None:
-        numpy.random.seed(seed % 2**32)
-
-
-def mix_seed(*parts: int) -> int:
-    """A well-mixed 64-bit seed from integers: the same in every process, machine and version."""
-    return random.Random(repr(parts)).getrandbits(64)  # a str seeds through SHA-512: no hash randomisation
-
-
-def check_datasets(train_set: Dataset, eval_set: Dataset | None, args, ctx: DistContext) -> None:
-    """Map-style Datasets, the same on every rank (each built its own: a cheap check, their lengths), and an
-    eval set where --keep-best or --eval-every needs one."""
-    if (args.keep_best or args.eval_every) and eval_set is None:
-        fail(f"{'--keep-best' if args.keep_best else '--eval-every'}: there is no eval set to evaluate", ctx=ctx)
-    for name, data in (("train", train_set), ("eval", eval_set)):
-        if isinstance(data, IterableDataset) or (data is not None and not hasattr(data, "__getitem__")):
-            fail(f"build_datasets returned an IterableDataset ({type(data).__name__}) as the {name} set: {PROG} needs "
-                 "map-style Datasets (__len__ and __getitem__) for its sampler, exact resume and N x B == 1 x N*B; "
-                 "index your samples (a list of token files, a memory-mapped array) instead of streaming them", ctx=ctx)
-    trains, evals = zip(*everyone((len(train_set), len(eval_set) if eval_set is not None else 0), ctx))
-    if len(set(trains)) > 1 or len(set(evals)) > 1:
-        fail(f"the ranks built different datasets ({min(trains)} to {max(trains)} training samples, {min(evals)} to "
-             f"{max(evals)} evaluation samples): build_datasets must give every rank the same data (split with a "
-             "seeded generator, from storage every node sees)", ctx=ctx)
-
-
-def leave_signals_to_trainer(worker_id: int) -> None:
-    """DataLoader worker_init_fn. torchrun, scancel and terminals signal whole process groups, and a
-    worker exits on a SIGTERM its parent did not send, which kills the trainer before it can save.
-    The stop signals are the training process's to handle."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-
-
-class Unbatchable(str):
-    """What collate() returns for items that cannot be batched, and why: a value, not an exception, so
-    that it reaches the trainer from a DataLoader worker as it is, and the run stops with one line."""
-
-
-def collate(items: list):
-    """collate_fn(items), looked up when called: yours, assigned on this module, in workers too."""
-    try:
-        return collate_fn(items)
-    except Exception as exc:
-        if collate_fn is not default_collate:
-            return Unbatchable(f"your collate_fn raised {type(exc).__name__}: {one_line(exc, last=True)}")
-        return Unbatchable(f"{one_line(exc, last=True)}. __getitem__ should return tensors, numbers or strings, or "
-                           "tuples, lists and dicts of them, with the same shapes for every item; items of different "
-                           "shapes need a collate_fn of yours that pads them")
-
-
-def to_device(batch, device: torch.device):
-    """Move a batch to the device: tensors, in any nesting of tuples, lists and dicts."""
-    if torch.is_tensor(batch):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        moved = [to_device(v, device) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # namedtuples too
-    return batch
-
-
-def place_dataset(dataset: Dataset | None, ctx: DistContext) -> Dataset | None:
-    """In-memory tensor datasets move to the GPU once, so that batches never cross PCIe. (Data larger
-    than GPU memory belongs in a Dataset that loads on demand, read through the DataLoader.)"""
-    if in_memory(dataset) and ctx.device.type == "cuda":  # only what the Loader reads without workers
-        return TensorDataset(*(t.to(ctx.device) for t in dataset.tensors))
-    return dataset
-
-
-@contextlib.contextmanager
-def rank0_first(local: bool = False):
-    """Rank 0 (local=True: the first process of each node) runs the body first, say to download or
-    build a cache, while the others wait for up to PATIENT_TIMEOUT; then the others run it."""
-    group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT) if dist.is_initialized() else None  # all ranks
-    first = group is None or (int(os.environ.get("LOCAL_RANK", 0)) if local else dist.get_rank()) == 0
-    if not first:
-        dist.barrier(group=group)
-    yield
-    if first and group is not None:
-        dist.barrier(group=group)
-
-
-# ====== Launcher adapters: SLURM, the legacy launcher and --spawn speak torchrun's environment ==============
-
-
-def adopt_launcher_environment(args) -> str:
-    """Name the launcher, and give the ones that do not set torchrun's variables those variables."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (torch.distributed.launch is it too), --spawn's workers
-        return "spawn" if args.spawn else "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
-    # A bare `srun python ddp_train.py`: srun sets SLURM_STEP_* for its tasks; an sbatch script running
-    # python directly sees the job's SLURM_NTASKS, but it is one process, not a task. The step's own
-    # variables win over the job's: a step may run on part of the allocation.
-    if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
-        world = env["SLURM_STEP_NUM_TASKS"]
-        env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=world, LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
-                   LOCAL_WORLD_SIZE=str(tasks_on_this_node(env.get("SLURM_STEP_TASKS_PER_NODE", world),
-                                                           int(env.get("SLURM_NODEID", "0")))))
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        env.setdefault("MASTER_ADDR", first_slurm_host(nodes or "localhost"))
-        # Every task derives the same port from the job id, so that two jobs on one node don't collide.
-        env.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        return "slurm"
-    return "python"
-
-
-def tasks_on_this_node(tasks_per_node: str, node: int) -> int:
-    """SLURM_STEP_TASKS_PER_NODE lists every node's task count ('2(x2),1' -> 2, 2, 1); pick this node's.
-    It is always set, while SLURM_NTASKS_PER_NODE exists only when --ntasks-per-node was given."""
-    counts = []
-    for count, times in re.findall(r"(\d+)(?:\(x(\d+)\))?", tasks_per_node):
-        counts += [int(count)] * int(times or 1)
-    return counts[min(node, len(counts) - 1)]
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07'."""
-    head = re.match(r"[^,\[]*(\[[^\]]*\])?", nodelist).group(0)  # 'gpu[07-09,12]'
-    if "[" not in head:
-        return head
-    prefix, ranges = head[:-1].split("[")
-    return prefix + re.split(r"[,-]", ranges)[0]
-
-
-def gpu_of(ctx: DistContext) -> torch.device:
-    """This process's GPU, or one line saying why it has none of its own."""
-    choice = choose_gpu(ctx.local_rank, ctx.local_world_size, torch.cuda.device_count(), ctx.launcher,
-                        os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if isinstance(choice, str):
-        fail(choice, ctx=ctx)
-    return torch.device("cuda", choice)
-
-
-def choose_gpu(local_rank: int, local_world_size: int, visible: int, launcher: str,
-               cuda_visible_devices: str | None) -> int | str:
-    """The index of this process's GPU among the visible ones, or why there is none (one line). Every
-    local process must drive a GPU of its own: NCCL refuses two ranks on one ("Duplicate GPU").
-    - As many visible GPUs as local processes, or more: cuda:LOCAL_RANK (torchrun, --spawn, the legacy
-      launcher, srun --gpus-per-node=8 --gpu-bind=none, where every task sees the node's GPUs).
-    - Fewer: only SLURM's per-task binding makes that right (srun --gpus-per-task=1: each task sees
-      just its own, as cuda:0). Anything else, torchrun --nproc_per_node=2 on a one-GPU machine say,
-      would put two processes on one GPU."""
-    if local_rank < visible and local_world_size <= visible:
-        return local_rank
-    if launcher == "slurm" and 0 < visible < local_world_size:
-        return 0
-    return (f"every process on this node needs a GPU of its own, but LOCAL_RANK={local_rank} of LOCAL_WORLD_SIZE="
-            f"{local_world_size} sees {visible} (CUDA_VISIBLE_DEVICES={cuda_visible_devices or '<unset>'}): start at "
-            f"most {visible} process(es) per node, or give each process its own GPU (srun --gpus-per-task=1)")
-
-
-def process_cpus(ctx: DistContext) -> int:
-    """The CPU cores this process may use (see cpus_per_process)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cpus_per_process(cores, ctx.local_world_size, ctx.launcher, os.environ.get("SLURM_CPUS_PER_TASK"))
-
-
-def cpus_per_process(affinity: int, local_world_size: int, launcher: str, slurm_cpus_per_task: str | None) -> int:
-    """Divide only what the processes share. A task that srun started with --cpus-per-task has that
-    many cores of its own (SLURM binds them: its affinity already is its share); the workers of
-    torchrun, --spawn or the legacy launcher share the cores their launcher had, as do srun tasks
-    without --cpus-per-task."""
-    if launcher == "slurm" and slurm_cpus_per_task:
-        return max(1, min(affinity, int(slurm_cpus_per_task)))
-    return max(1, affinity // max(1, local_world_size))
-
-
-def set_up_process(args, ctx: DistContext) -> None:
-    """Threads: this process's cores, unless the user chose (OMP_NUM_THREADS). --debug, before the process
-    group starts: DDP's and c10d's checks (TORCH_DISTRIBUTED_DEBUG: mismatched collectives, unused parameters
-    by name), NCCL's log, C++ stack traces; every rank but 0 writes its stderr to OUT_DIR/debug/rank{R}.log."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(process_cpus(ctx))
-    if args.debug:  # INFO: DETAIL made torch 2.13's CPU build segfault while building DDP; yours wins if you set it
-        os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "INFO")
-        os.environ.update(TORCH_SHOW_CPP_STACKTRACES="1", NCCL_DEBUG="INFO")
-        dist.set_debug_level_from_env()  # torch.distributed read the variable when it was imported
-        if ctx.rank:  # its stderr (fd 2, where C++ and NCCL log too) becomes the file
-            os.makedirs(debug := os.path.join(args.out_dir, "debug"), exist_ok=True)
-            os.dup2(os.open(os.path.join(debug, f"rank{ctx.rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
-    if torch.cuda.is_available():  # NCCL's flight recorder: the collectives in flight, dumped on a timeout
-        for name, value in flight_recorder_env(args.out_dir).items():
-            os.environ.setdefault(name, value)
-
-
-def flight_recorder_env(out_dir: str) -> dict:
-    """NCCL's flight recorder: each rank keeps its last 2000 collectives and dumps them on a timeout to
-    OUT_DIR/nccl_trace_rank_{R} (in the out-dir, which exists: the recorder makes no directory). Both spellings:
-    torch 2.4 reads TORCH_NCCL_* alone, newer versions TORCH_FR_* too (seen in 2.15's library)."""
-    prefix, env = os.path.join(out_dir, "nccl_trace_rank_"), {}
-    for new, old, value in (("BUFFER_SIZE", "TRACE_BUFFER_SIZE", "2000"), ("DUMP_ON_TIMEOUT", "DUMP_ON_TIMEOUT", "1"),
-                            ("DUMP_TEMP_FILE", "DEBUG_INFO_TEMP_FILE", prefix)):
-        env[f"TORCH_FR_{new}"] = env[f"TORCH_NCCL_{old}"] = value
-    return env
-
-
-def spawn_workers(args) -> int:
-    """--spawn N: start N local workers ourselves, on a free port, and forward stop signals."""
-    if "RANK" in os.environ or "SLURM_STEP_NUM_TASKS" in os.environ:
-        fail("--spawn starts its own processes: run it with plain python, not under torchrun or srun")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    context = mp.spawn(_spawn_worker, args=(args,), nprocs=args.spawn, join=False)
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda signum, frame: [os.kill(p.pid, signum) for p in context.processes if p.is_alive()])
-    try:
-        # After a failure the others get 15 s to end on their own (torch >= 2.6; before, they are stopped at once).
-        grace = {"grace_period": 15} if "grace_period" in inspect.signature(context.join).parameters else {}
-        while not context.join(**grace):
-            pass
-    except mp.ProcessExitedException as exc:
-        return exc.exit_code if exc.exit_code > 0 else 1
-    return 0
-
-
-def _spawn_worker(local_rank: int, args) -> None:
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
-                      WORLD_SIZE=str(args.spawn), LOCAL_WORLD_SIZE=str(args.spawn))
-    # A spawned process inherits "spawn" as its default start method, so its DataLoader workers would
-    # each start a fresh interpreter; give it the platform's default, as a torchrun worker has.
-    mp.set_start_method(None, force=True)
-    code = run(args)
-    if code:
-        raise SystemExit(code)
-
-
-# ====== Upstream workarounds: each names the issue and the torch versions that need it ======================
-
-PATIENT_TIMEOUT = datetime.timedelta(hours=1)  # how long ranks wait for rank 0's own work
-
-
-def rendezvous(world: int, timeout: datetime.timedelta) -> dict:
-    """How init_process_group finds its peers: MASTER_ADDR and MASTER_PORT, except under torchrun restarts.
-    torch >= 2.5 (seen through 2.13): torchrun's agent keeps one TCPStore for the whole job, and its
-    workers' keys carry no restart number, so after `--max-restarts` restarts the new workers can
-    read the dead ones' addresses and fail to connect (pytorch/pytorch#135712). Give every restart
-    its own namespace. TORCHELASTIC_RESTART_COUNT agrees within a node; across nodes, launch torchrun
-    with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (run_multi_node.sh does), which skips this."""
-    env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {"init_method": "env://"}
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world, is_master=False,
-                          timeout=timeout)
-    return {"store": dist.PrefixStore(f"ddp_train/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)}
-
-
-def warm_up(job: Job) -> None:
-    """The first batch once forward and backward through DDP before training, leaving no trace (RNG,
-    BatchNorm statistics, gradients). DDP (every version) rebuilds its gradient buckets after its first
-    backward, in the order the gradients arrived: from a real batch that is the model's own order, so
-    that buckets all-reduce while backward still runs; and since every run, fresh or resumed, then
-    starts training on rebuilt buckets, the all-reduce rounds the same (bit-exact resume with more
-    than two ranks). It also checks that every parameter gets a gradient, and notes the batch's count."""
-    with preserved_state(job.model, job.ctx):
-        batch, samples = job.train_data.first_batch()  # the same samples on every rank
-        with autocast(job.args, job.ctx):
-            loss_sum, count, _ = call_compute_loss(job.ddp_model, batch, job.ctx)
-        loss_sum.backward()
-        check_every_parameter_got_a_gradient(job)
-    check_count_unit(float(count), samples, job.ctx)
-    job.train_data.waited = 0.0  # training's waits for data only: not the first batch's loads, nor workers' start
-    job.typical_count = float(count) if float(count) > 0 else 1.0
-    if job.ctx.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(job.ctx.device)  # peak_gpu_mem_mb: training's, not resuming's
-
-
-# ====== Statistics: the exact global loss, gradient norms, divergence, throughput, memory, FLOP/s ===========
-
-
-class EpochStats:
-    """This rank's training loss sums, counts and gradient norms since the last fold, kept on the
-    device (no host sync per step). fold() adds every rank's into the epoch's totals, and stops the
-    run, on every rank, at the first non-finite loss or gradient norm. With fp16 a non-finite norm
-    is a step that the GradScaler skipped by design: those are counted, and kept out of the maximum.
-    For the stragglers, each rank times its waits for data (the Loader) and its compute: from its model's forward
-    (after DDP's buffer broadcast) to compute_loss's end; not backward, whose all-reduce waits for the slowest rank."""
-
-    def __init__(self, ctx: DistContext, amp: str, loader: Loader | None = None, model: nn.Module | None = None):
-        self.ctx, self.fp16, self.loader, self.timing = ctx, amp == "fp16", loader, [0.0] * 2 * ctx.world_size
-        self.step_losses, self.norms, self.count, self.current = [], [], 0, None
-        self.last_norm, self.first_step_at, self.forward_at, self.computing, self.computed = None, None, None, [], 0.0
-        self.loop_started, self.first_step, self.zero = time.perf_counter(), None, torch.zeros((), device=ctx.device)
-        if model is not None:  # (a graph break under torch.compile: dynamo would trace the CUDA event into its graph)
-            model.register_forward_pre_hook(torch.compiler.disable(self.forward_starts))
-
-    def start_epoch(self, progress: Progress) -> None:
-        # (time, samples, count, loss sum, timing) when the epoch began, and at the last progress line
-        self.began = self.line = (time.perf_counter(), progress.samples, progress.count, progress.loss_sum, self.timing)
-        self.first_step = progress.step if self.first_step is None else self.first_step
-
-    def forward_starts(self, model: nn.Module, inputs) -> None:  # the model's forward pre-hook: compute starts
-        self.forward_at = self.stamp()
+        return count.detach().to(device, torch.float64).reshape(())
+    return torch.full((), count, dtype=torch.float64, device=device)
+
+
+# ====== Statistics: the exact global loss, gradient norms, divergence, throughput, every rank's timing ======
+
+
+class Meter:
+    """This rank's loss sums and counts and the steps' gradient norms since the last fold, on the device (no
+    host sync in a step). fold() adds every rank's into the epoch's totals with one all-reduce, and stops the
+    run, on every rank, at the first non-finite loss or gradient norm (with fp16 a non-finite norm is a step
+    the GradScaler skipped by design: those are counted, and kept out of the maximum). For the stragglers each
+    rank times its waits for data and its compute: from its model's forward (after DDP's broadcast of the
+    buffers) to compute_loss's end; not backward, whose all-reduce waits for the slowest rank. Rank 0 writes
+    every record: the console, metrics.jsonl (epochs, evaluations), TensorBoard (KIND/NAME at the step) and
+    report(). A resume drops what was written after its checkpoint's step, so that no step is written twice."""
+
+    def __init__(self, t):
+        self.t, self.cuda = t, t.ctx.device.type == "cuda"
+        self.started = time.perf_counter(), t.progress.step  # for the ETA: this run's pace
+        self.losses, self.norms, self.computing, self.loss, self.count = [], [], [], 0, 0
+        self.waited = self.computed = 0.0  # this rank's seconds, since the start
+        self.timing = [0.0] * 2 * t.ctx.world_size  # every rank's, as of the last fold
+        self.forward_at = self.flops = self.first_step_at = self.last_norm = self.writer = None
+        # (a graph break under torch.compile: dynamo would trace the CUDA event into its graph)
+        t.model.register_forward_pre_hook(torch.compiler.disable(self.forward_starts))
+        if t.ctx.rank == 0:
+            os.makedirs(t.args.out_dir, exist_ok=True)
+            with open(f"{t.args.out_dir}/metrics.jsonl", "a+") as f:
+                f.seek(0)
+                kept = [line for line in f if json.loads(line)["step"] <= t.progress.step]
+                f.truncate(0)
+                f.writelines(kept)
+            if t.args.tensorboard:  # (parse_args made sure the package is there)
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(
+                    f"{t.args.out_dir}/tensorboard", purge_step=t.progress.step + 1
+                )
 
     def stamp(self):
         """Now: on CUDA an event recorded in the stream (read at the next fold: no sync in a step), else the clock."""
-        if self.ctx.device.type == "cuda":
+        if self.cuda:
             return torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
         return time.perf_counter()
 
-    def add(self, loss_sum: torch.Tensor, count) -> None:
-        loss = loss_sum.detach()
-        self.current = loss if self.current is None else self.current + loss
-        self.count = self.count + count
-        if self.forward_at is not None:  # this rank's compute: from its model's forward to the end of compute_loss
-            self.computing.append((self.forward_at, self.stamp()))
-            self.forward_at = None  # so an add() with no forward of the model since the last one times nothing
+    # the model's forward pre-hook: this rank's compute starts
+    def forward_starts(self, *hook_args):
+        self.forward_at = self.stamp()
 
-    def end_step(self, grad_norm: torch.Tensor) -> None:
-        """grad_norm: the step's gradient norm before clipping (0-dim)."""
-        self.step_losses.append(self.current if self.current is not None else self.zero)
-        self.current = None
-        self.norms.append(grad_norm)
-        if self.first_step_at is None:  # start-up cost, once: when the first step has really finished
-            if self.ctx.device.type == "cuda":
-                torch.cuda.synchronize(self.ctx.device)
+    def timed(self, batches):
+        """An epoch's batches, on the device; the time this rank waits for each (data_wait_by_rank)."""
+        p = self.t.progress
+        self.began = self.line = (time.perf_counter(), p.samples, p.count, p.loss_sum, self.timing)
+        return self.waits(on_device(batches, self.t.ctx))
+
+    def waits(self, batches):
+        clock = time.perf_counter()
+        for batch in batches:
+            self.waited += time.perf_counter() - clock
+            yield batch
+            clock = time.perf_counter()
+
+    def add(self, loss, count):
+        """One micro-batch's mean loss and its count."""
+        self.loss, self.count = self.loss + loss.detach() * count, self.count + count
+        # this rank's compute: from its model's forward to the end of compute_loss
+        if self.forward_at:
+            self.computing.append((self.forward_at, self.stamp()))
+            # so an add() with no forward of the model since the last one times nothing
+            self.forward_at = None
+
+    def end_step(self, norm, lr):
+        """The step's gradient norm before clipping (0-dim), and its lr."""
+        self.losses.append(self.loss)
+        self.norms.append(norm)
+        self.loss, self.lr = 0, lr
+        if not self.first_step_at:  # start-up cost, once: when the first step has really finished
+            if self.cuda:
+                torch.cuda.synchronize()
             self.first_step_at = time.time()
 
-    def fold(self, progress: Progress) -> None:
-        """All ranks: add the sums since the last fold into the epoch's global totals."""
-        world, cuda = self.ctx.world_size, self.ctx.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.ctx.device)  # the compute events, read now (the sums below wait for it anyway)
-        self.computed += sum(start.elapsed_time(end) / 1000 if cuda else end - start for start, end in self.computing)
-        count = torch.as_tensor(self.count, dtype=torch.float64, device=self.ctx.device).reshape(1)
-        timing = torch.zeros(2, world, dtype=torch.float64, device=self.ctx.device)  # its slots: waits, compute
-        timing[0, self.ctx.rank], timing[1, self.ctx.rank] = self.loader.waited if self.loader else 0.0, self.computed
-        losses = torch.stack(self.step_losses).double().reshape(-1) if self.step_losses else count[:0]
-        sums = torch.cat([losses, count, timing.reshape(-1)])
-        if self.ctx.distributed:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM)  # DDP: each step's loss sum, the count, every rank's timing
+    def sums(self):
+        """This rank's since the last fold, on the CPU: every step's loss sum, the count, and its seconds of
+        waiting for data and of compute in its own slots of every rank's (a CUDA sync: a fold's place)."""
+        rank, world = self.t.ctx.rank, self.t.ctx.world_size
+        if self.cuda:
+            torch.cuda.synchronize()  # the compute events, read now (the sums wait for the GPU anyway)
+        self.computed += sum(
+            a.elapsed_time(b) / 1000 if self.cuda else b - a for a, b in self.computing
+        )
+        timing = torch.zeros(2, world, dtype=torch.float64)
+        timing[:, rank] = torch.tensor([self.waited, self.computed])
+        sums = [count_tensor(value, self.t.ctx.device) for value in [*self.losses, self.count]]
+        return torch.cat([torch.stack(sums).cpu(), timing.flatten()])
+
+    def fold(self, sums):
+        """All ranks: every rank's sums since the last fold (all-reduced) into the epoch's totals."""
+        t, p, world = self.t, self.t.progress, self.t.ctx.world_size
         *losses, count = sums[: -2 * world].tolist()
         self.timing = sums[-2 * world :].tolist()
-        loss_sum, first = sum(losses), progress.step - len(losses) + 1  # first: the step of the first entry
-        bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
-        if bad:
-            diverged(f"the training loss is {losses[bad[0]]} at step {first + bad[0]}", self.ctx)
-        if self.norms:  # the norms of the all-reduced gradient: the same on every rank
-            self.fold_norms(torch.stack(self.norms), first, progress)
-        progress.loss_sum += loss_sum
-        progress.count += count
-        check_count_unit(progress.count, progress.samples, self.ctx)  # the plan's samples scaled the gradients
-        self.step_losses, self.norms, self.count, self.computing = [], [], 0, []
+        norms = torch.stack(self.norms).tolist() if self.norms else []
+        first = p.step - len(losses) + 1  # the step of losses[0]
+        for what, values in (
+            ("training loss", losses),
+            ("gradient norm", norms if t.args.amp != "fp16" else []),
+        ):
+            # (fp16: an overflow is a step that the GradScaler skipped)
+            for i, value in enumerate(values):
+                if not math.isfinite(value):
+                    diverged(f"the {what} is {value} at step {first + i}", t.ctx)
+        finite = [norm for norm in norms if math.isfinite(norm)]
+        if finite:
+            p.max_norm = max(finite + [p.max_norm or 0.0])
+        p.skipped += len(norms) - len(finite)
+        self.last_norm = norms[-1] if norms else self.last_norm
+        p.loss_sum, p.count = p.loss_sum + sum(losses), p.count + count
+        self.losses, self.norms, self.count, self.computing = [], [], 0, []
+        # the batches' sample counts weighed the means
+        if COUNT_UNIT == "samples" and p.count != p.samples:
+            fail(
+                f'compute_loss counted {whole(p.count)} for {p.samples} samples, but COUNT_UNIT is "samples": '
+                "return the batch's sample count, or set COUNT_UNIT to what your count counts "
+                '(ddp_train.COUNT_UNIT = "tokens")',
+                ctx=t.ctx,
+            )
 
-    def fold_norms(self, norms: torch.Tensor, first: int, progress: Progress) -> None:
-        finite = norms.isfinite()
-        if not self.fp16 and not finite.all():
-            bad = int((~finite).nonzero()[0])
-            diverged(f"the gradient norm is {float(norms[bad])} at step {first + bad}", self.ctx)
-        if finite.any():
-            progress.max_norm = max(progress.max_norm or 0.0, float(norms[finite].max()))
-        self.last_norm = float(norms[-1])  # the last step's, for the progress record
-        if self.fp16:
-            progress.skipped += int((~finite).sum())
-
-    def log_progress(self, progress: Progress, job: Job) -> None:
-        """Rank 0: a progress record, with the loss and throughput since the last one (or the epoch's start),
-        the time since launch and the time left, at the pace of this run's steps so far."""
-        now, (then, samples, count, loss, timing) = time.perf_counter(), self.line
-        self.line = (now, progress.samples, progress.count, progress.loss_sum, self.timing)
-        count, per_step = progress.count - count, (now - self.loop_started) / max(1, progress.step - self.first_step)
-        job.records({"kind": "progress", "step": progress.step, "epoch": progress.epoch + 1,
-                     "train_loss": (progress.loss_sum - loss) / count if count else None,
-                     **self.rates(progress.samples - samples, count, max(now - then, 1e-9), job, timing),
-                     "lr": job.optimizers[0].param_groups[0]["lr"], "grad_norm": self.last_norm,
-                     "elapsed_s": time.monotonic() - STARTED, "eta_s": per_step * (job.total_steps - progress.step)})
-
-    def rates(self, samples: int, count: float, seconds: float, job: Job, timing: list) -> dict:
-        """samples/s, tokens/s, FLOP/s per process, MFU, and each rank's shares of the time: data waits, compute."""
-        shares = [round((now - then) / seconds, 4) for now, then in zip(self.timing, timing)]
-        rates = {"samples_per_sec": samples / seconds, "data_wait_by_rank": shares[: self.ctx.world_size],
-                 "compute_by_rank": shares[self.ctx.world_size :]}
+    def record(self, kind):
+        """The record of this progress line (since the last one) or epoch (since it began, resumed or not)."""
+        t, p, world = self.t, self.t.progress, self.t.ctx.world_size
+        then, samples, counted, loss, timing = self.began if kind == "epoch" else self.line
+        now = time.perf_counter()
+        self.line, seconds = (now, p.samples, p.count, p.loss_sum, self.timing), now - then
+        shares = [round((a - b) / seconds, 4) for a, b in zip(self.timing, timing)]
+        record = {
+            "kind": kind,
+            "step": p.step,
+            "epoch": p.epoch + 1,
+            "lr": self.lr,
+            "train_loss": p.loss_sum / p.count
+            if kind == "epoch"
+            else (p.loss_sum - loss) / (p.count - counted),
+            "samples_per_sec": (p.samples - samples) / seconds,
+            "data_wait_by_rank": shares[:world],
+            "compute_by_rank": shares[world:],
+        }
         if COUNT_UNIT != "samples":
-            rates[f"{COUNT_UNIT}_per_sec"] = count / seconds
-        if job.flops_per_sample:
-            rates["tflops_per_process"] = samples / seconds * job.flops_per_sample / self.ctx.world_size / 1e12
-            if job.args.peak_tflops:
-                rates["mfu"] = rates["tflops_per_process"] / job.args.peak_tflops
-        return rates
-
-    def epoch_record(self, progress: Progress, job: Job) -> dict:
-        """The epoch's record, but for evaluation, at the end of its training."""
-        then, samples, count, _, timing = self.began
-        seconds = time.perf_counter() - then
-        job.agreement.logged_at = time.monotonic()  # the epoch's line is a sign of life: --log-seconds counts from here
-        record = {"kind": "epoch", "epoch": progress.epoch + 1, "step": progress.step,
-                  "train_loss": progress.loss_sum / progress.count if progress.count else None, "eval_loss": None,
-                  "eval_samples": 0, "train_samples": progress.samples, "world_size": self.ctx.world_size,
-                  "effective_batch_size": job.global_batch, "lr": job.optimizers[0].param_groups[0]["lr"],
-                  **self.rates(progress.samples - samples, progress.count - count, seconds, job, timing),
-                  "epoch_time_s": seconds, "first_step_at": self.first_step_at,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
-        if self.ctx.device.type == "cuda":  # peak GPU memory
-            record["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**20
-        if COUNT_UNIT != "samples":  # tokens: train_tokens
-            record[f"train_{COUNT_UNIT}"] = whole(progress.count)
-        if progress.max_norm is not None:
-            record["grad_norm_max"] = progress.max_norm  # the largest before clipping, over the epoch's steps
-        if self.fp16:
-            record["skipped_steps"] = progress.skipped  # by the GradScaler: their gradients overflowed
-        if job.flops_per_sample:
-            record["flops_per_sample"] = job.flops_per_sample  # training FLOPs (forward + backward)
+            record[f"{COUNT_UNIT}_per_sec"] = (p.count - counted) / seconds
+        if self.flops:
+            record["tflops_per_process"] = record["samples_per_sec"] * self.flops / world / 1e12
+            if t.args.peak_tflops:
+                record["mfu"] = record["tflops_per_process"] / t.args.peak_tflops
+        if kind == "progress":
+            eta = (now - self.started[0]) / (p.step - self.started[1]) * (t.total_steps - p.step)
+            return record | {
+                "grad_norm": self.last_norm,
+                "elapsed_s": time.monotonic() - STARTED,
+                "eta_s": eta,
+            }
+        # the epoch's line is a sign of life: --log-seconds counts from here
+        t.agreement.logged_at = time.monotonic()
+        record |= {
+            "eval_loss": None,
+            "eval_samples": 0,
+            "train_samples": p.samples,
+            "world_size": world,
+            "effective_batch_size": t.global_batch,
+            "epoch_time_s": seconds,
+            "first_step_at": self.first_step_at,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
+        }
+        if self.cuda:
+            record["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        if COUNT_UNIT != "samples":
+            record[f"train_{COUNT_UNIT}"] = whole(p.count)
+        if p.max_norm is not None:
+            # the largest before clipping, over the epoch's steps
+            record["grad_norm_max"] = p.max_norm
+        if t.args.amp == "fp16":
+            record["skipped_steps"] = p.skipped  # by the GradScaler: their gradients overflowed
+        if self.flops:
+            record["flops_per_sample"] = self.flops  # training FLOPs (forward + backward)
         return record
 
-
-def log_start(job: Job, flops_not_counted: str) -> None:
-    """Rank 0: how the run is set up, in two lines (and why FLOPs were not counted, if they were not)."""
-    ctx, args, eval_set = job.ctx, job.args, job.eval_data.dataset if job.eval_data else ()
-    log(ctx, f"{PROG}: {ctx.launcher}, world size {ctx.world_size} ({ctx.local_world_size}/node), "
-             f"{ctx.backend if ctx.distributed else 'no process group'}, {ctx.device}, "
-             f"{torch.get_num_threads()} thread(s)/process")
-    per_rank = job.global_batch // ctx.world_size
-    accum = math.ceil(per_rank / args.batch_size)  # micro-batches per step: at most --batch-size each
-    split_up = (f"{per_rank // accum}/process x {ctx.world_size} x {accum} accum" if per_rank % accum == 0 else
-                f"{per_rank}/process x {ctx.world_size}, in {accum} micro-batches of at most {-(-per_rank // accum)}")
-    log(ctx, f"global batch {job.global_batch} = {split_up}, lr {args.lr:g}, {len(job.sampler.dataset):,} train / "
-             f"{len(eval_set):,} eval samples, {job.steps_per_epoch} steps/epoch")
-    if flops_not_counted:
-        log(ctx, f"FLOPs not counted: {flops_not_counted}; no FLOP/s or MFU is logged")
-
-
-class Records:
-    """Rank 0's sinks for every record (progress, epoch, eval): the console, metrics.jsonl (epochs, evaluations),
-    TensorBoard (--tensorboard: KIND/NAME at the step) and report(). A resume drops what was written after
-    its checkpoint's step (TensorBoard: purge_step), so that no step is written twice."""
-
-    def __init__(self, args, ctx: DistContext, progress: Progress, total: int, steps_per_epoch: int):
-        self.ctx, self.writer, self.total, self.epochs = ctx, None, total, math.ceil(total / steps_per_epoch)
-        self.path = os.path.join(args.out_dir, "metrics.jsonl")
-        if args.tensorboard:  # optional: only this flag needs the package
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                fail("--tensorboard needs TensorBoard: pip install tensorboard", ctx=ctx)
-        if not ctx.is_main:
+    def emit(self, record):
+        """Rank 0: a record to the console, metrics.jsonl (epochs and evaluations), TensorBoard and report()."""
+        t = self.t
+        if t.ctx.rank:
             return
-        kept = []
-        if progress.step and os.path.exists(self.path):
-            with open(self.path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= progress.step]
-        with open(self.path, "w") as f:
-            f.writelines(kept)
-        if args.tensorboard:
-            self.writer = SummaryWriter(os.path.join(args.out_dir, "tensorboard"), purge_step=progress.step + 1)
-
-    def __call__(self, record: dict) -> None:
-        if not self.ctx.is_main:
-            return
-        log(self.ctx, console_line(record, self.total, self.epochs))
+        log(
+            t.ctx, console_line(record, t.total_steps, math.ceil(t.total_steps / t.steps_per_epoch))
+        )
         if record["kind"] != "progress":
-            strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-            with open(self.path, "a") as f:
-                f.write(json.dumps(strict, allow_nan=False) + "\n")  # strict JSON: jq and JavaScript read it
+            strict = {
+                k: None if isinstance(v, float) and not math.isfinite(v) else v
+                for k, v in record.items()
+            }
+            with open(f"{t.args.out_dir}/metrics.jsonl", "a") as f:
+                # strict JSON: jq and JavaScript read it
+                f.write(json.dumps(strict, allow_nan=False) + "\n")
         if self.writer:
             for name, value in record.items():
                 if isinstance(value, (int, float)) and name not in ("step", "epoch"):
@@ -1614,11 +1709,12 @@ class Records:
         report(record)
 
 
-def console_line(record: dict, total: int, epochs: int) -> str:
+def console_line(record, total, epochs):
     """A record as one aligned line: a progress line and an evaluation (indented), or an epoch's line."""
     r, step = record, f"step {record['step']:>{len(f'{total:,}')},}/{total:,}"
-    evals = "".join(f"  {k} {v:.4f}" for k, v in r.items() if k.startswith("eval_") and v is not None
-                    and k not in ("eval_samples", f"eval_{COUNT_UNIT}"))
+    evals = "".join(
+        f"  {k} {v:.4f}" for k, v in r.items() if k[:5] == "eval_" and isinstance(v, float)
+    )
     if r["kind"] == "eval":
         return f"  {step}{evals}"
     rates = f"{r['samples_per_sec']:>9,.0f} samples/s"
@@ -1626,197 +1722,315 @@ def console_line(record: dict, total: int, epochs: int) -> str:
         rates += f"  {r[f'{COUNT_UNIT}_per_sec']:>9,.0f} {COUNT_UNIT}/s"
     if "mfu" in r:
         rates += f"  MFU {100 * r['mfu']:5.2f}%"
-    named, most = "", 0.05  # a straggler: the rank that computes, or waits for data, the most over 1.5 x the median
-    for shares, does in ((r["compute_by_rank"], "computes"), (r["data_wait_by_rank"], "waits for data")):
-        median, (share, worst) = sorted(shares)[(len(shares) - 1) // 2], max((s, rank) for rank, s in enumerate(shares))
+    # a straggler: the rank that computes, or waits for data, the most over 1.5 x the median
+    named, most = "", 0.05
+    for shares, does in (
+        (r["compute_by_rank"], "computes"),
+        (r["data_wait_by_rank"], "waits for data"),
+    ):
+        median, (share, worst) = (
+            sorted(shares)[(len(shares) - 1) // 2],
+            max((s, rank) for rank, s in enumerate(shares)),
+        )
         if share - 1.5 * median > most:
-            named, most = f"rank {worst} {does} {share:.0%} of the time (median {median:.0%})", share - 1.5 * median
+            named, most = (
+                f"rank {worst} {does} {share:.0%} of the time (median {median:.0%})",
+                share - 1.5 * median,
+            )
     rates += f"  {named or f'data wait {median:3.0%}'}"  # (median: the data wait's)
     if r["kind"] == "epoch":
-        return (f"epoch {r['epoch']:>3}/{epochs}  train_loss {r['train_loss']:.4f}{evals}  {rates}  "
-                f"world {r['world_size']}  batch {r['effective_batch_size']}  {r['epoch_time_s']:6.2f} s")
-    loss = f"train_loss {r['train_loss']:.4f}" if r["train_loss"] is not None else "train_loss    -  "
-    elapsed, eta = (datetime.timedelta(seconds=int(r[k])) for k in ("elapsed_s", "eta_s"))  # h:mm:ss
-    return (f"  epoch {r['epoch']:>3}/{epochs}  {step} ({100 * r['step'] / total:5.1f}%)  {loss}  {rates}  "
-            f"lr {r['lr']:.2e}  elapsed {elapsed}  ETA {eta}")
+        return (
+            f"epoch {r['epoch']:>3}/{epochs}  train_loss {r['train_loss']:.4f}{evals}  {rates}  "
+            f"world {r['world_size']}  batch {r['effective_batch_size']}  {r['epoch_time_s']:6.2f} s"
+        )
+    # h:mm:ss
+    elapsed, eta = (datetime.timedelta(seconds=int(r[k])) for k in ("elapsed_s", "eta_s"))
+    return (
+        f"  epoch {r['epoch']:>3}/{epochs}  {step} ({100 * r['step'] / total:5.1f}%)  train_loss "
+        f"{r['train_loss']:.4f}  {rates}  lr {r['lr']:.2e}  elapsed {elapsed}  ETA {eta}"
+    )
 
 
-def everyone(value, ctx: DistContext) -> list:
+def whole(x):
+    """A count as JSON shows it best: an int when it is whole (tokens), else the float (weights)."""
+    return int(x) if float(x).is_integer() else x
+
+
+def log(ctx, message, error=False):
+    """Rank 0 speaks for everyone: the one place that prints."""
+    if ctx.rank == 0:  # DDP: one log, not one per rank
+        print(message, file=sys.stderr if error else sys.stdout, flush=True)
+
+
+def everyone(value, ctx):
     """Every rank's value (a small Python object) in rank order, on every rank: over gloo, no GPU involved."""
-    if not ctx.distributed:
-        return [value]
-    values = [None] * ctx.world_size
-    dist.all_gather_object(values, value, group=ctx.control_group)
+    values = [value] * ctx.world_size
+    if ctx.world_size > 1:
+        dist.all_gather_object(values, value, group=ctx.control)
     return values
 
 
-def count_flops(model: nn.Module, data: Loader, args, ctx: DistContext) -> tuple[float | None, str]:
-    """Training FLOPs (forward + backward) per sample, measured by torch's FlopCounterMode on the first
-    micro-batch of the training set, before training. Nothing of the run changes: no RNG draw, no
-    BatchNorm statistic, no gradient is left behind. (None, why) where the counter cannot count: it
-    counts matmuls, convolutions and attention, not recurrent layers, nor custom kernels (which it
-    cannot see, and aten ops it has no formula for (a grouped matmul): their FLOPs are missing)."""
-    recurrent = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
-    if recurrent:
-        return None, f"torch's FlopCounterMode has no formula for {', '.join(recurrent)}"
-    with preserved_state(model, ctx):
-        batch, samples = data.first_batch()
-        counter = flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
-        with counter:
-            try:
-                with autocast(args, ctx):
-                    loss_sum = call_compute_loss(model, batch, ctx)[0]
-                loss_sum.backward()
-            except Exception as exc:
-                if flop_counter.__file__ not in (frame.filename for frame in traceback.extract_tb(exc.__traceback__)):
-                    raise  # the model's own error, which training would raise too
-                return None, f"torch's FlopCounterMode failed ({type(exc).__name__}: {one_line(exc)[:100]})"
-    if not counter.get_total_flops():
-        return None, "torch's FlopCounterMode counted no FLOPs in this model"
-    return counter.get_total_flops() / samples, ""
+# ====== Before training: one clear line for what cannot train; the warm-up; FLOPs ===========================
+
+
+def check_the_run(t):
+    """What cannot train stops here, before anything is written, on every rank alike, with one line. Returns
+    the optimizer steps per epoch: the last one short, or with --drop-last (which --sync-bn implies) only full
+    ones. SyncBatchNorm runs collectives of its own in every forward and backward, so every rank must run as
+    many micro-batches as every other in every step: only full steps give them that."""
+    args, ctx, batch, world = t.args, t.ctx, t.global_batch, t.ctx.world_size
+    if (args.keep_best or args.eval_every) and t.eval_set is None:
+        fail(
+            f"{'--keep-best' if args.keep_best else '--eval-every'}: there is no eval set to evaluate",
+            ctx=ctx,
+        )
+    for name, data in ("train", t.train_set), ("eval", t.eval_set or ()):
+        if isinstance(data, IterableDataset) or not hasattr(data, "__getitem__"):
+            fail(
+                f"build_datasets returned an IterableDataset ({type(data).__name__}) as the {name} set: {PROG} needs "
+                "map-style Datasets (__len__ and __getitem__) for its sampler, exact resume and N x B == 1 x N*B; "
+                "index your samples (a list of token files, a memory-mapped array) instead of streaming them",
+                ctx=ctx,
+            )
+    n = len(t.train_set)
+    trains, evals = zip(*everyone((n, len(t.eval_set or ())), ctx))
+    if len(set(trains)) > 1 or len(set(evals)) > 1:
+        fail(
+            f"the ranks built different datasets ({min(trains)} to {max(trains)} training samples, {min(evals)} to "
+            f"{max(evals)} evaluation samples): build_datasets must give every rank the same data (split with a "
+            "seeded generator, from storage every node sees)",
+            ctx=ctx,
+        )
+    if args.sync_bn and world > 1:
+        if ctx.device.type != "cuda":
+            fail("--sync-bn needs CUDA: torch's SyncBatchNorm has no CPU implementation", ctx=ctx)
+        if not args.drop_last:
+            log(
+                ctx,
+                f"--sync-bn: every step is a full global batch, as with --drop-last (the last {n % batch} "
+                "sample(s) of each epoch sit out), so that every rank runs SyncBatchNorm's collectives alike",
+            )
+        args.drop_last = True
+    if batch % world:
+        fail(
+            f"--global-batch {batch} is split evenly over the ranks, so the world size ({world}) must divide it",
+            ctx=ctx,
+        )
+    if args.drop_last and n < batch:
+        fail(
+            f"--drop-last: the {n} training samples do not fill one global batch of {batch}",
+            ctx=ctx,
+        )
+    steps = n // batch if args.drop_last else math.ceil(n / batch)
+    # Trap: BatchNorm cannot train on one sample ("Expected more than 1 value per channel"), and the last step
+    # of an epoch can leave a rank one: every rank's micro-batches, of every step and of the last.
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in t.model.modules()):
+        for rank in range(world):
+            last = len(range(rank, n, world)) - (steps - 1) * batch // world
+            for where, size in (
+                ("every step", batch // world),
+                ("the last step", min(batch // world, last)),
+            ):
+                if 1 in map(len, split(range(max(0, size)), args.batch_size)):
+                    fix = (
+                        "raise --batch-size"
+                        if where == "every step"
+                        else (
+                            f"pass --drop-last to leave out the last {n % batch} sample(s) of each epoch ({n} samples, "
+                            f"global batch {batch}), or change --batch-size"
+                        )
+                    )
+                    fail(
+                        f"BatchNorm cannot train on a micro-batch of one sample, and {where} of each epoch would give "
+                        f"rank {rank} one: {fix}",
+                        ctx=ctx,
+                    )
+    return steps
+
+
+def warm_up(t):
+    """The training set's first micro-batch (samples 0, 1, ... of epoch 0, the same on every rank) once forward
+    and backward through DDP before training, leaving no trace (RNG, BatchNorm statistics, gradients). DDP
+    (every version) rebuilds its gradient buckets after its first backward, in the order the gradients arrived:
+    from a real batch that is the model's own order, so that buckets all-reduce while backward still runs; and
+    since every run, fresh or resumed, then starts training on rebuilt buckets, the all-reduce rounds the same
+    (bit-exact resume with more than two ranks). It also checks that every parameter gets a gradient and what
+    compute_loss counts; torch's FlopCounterMode counts the pass's FLOPs (matmuls, convolutions, attention; not
+    recurrent layers, nor kernels it cannot see); and the batch is kept for a rank without samples in a step."""
+    args, ctx, keys = t.args, t.ctx, list(range(min(t.args.batch_size, len(t.train_set))))
+    t.first_batch = batch = next(on_device([t.loader.dataset.__getitems__((0, keys))], ctx))
+    rnn = sorted({type(m).__name__ for m in t.model.modules() if isinstance(m, nn.RNNBase)})
+    why_not = f"torch's FlopCounterMode has no formula for {', '.join(rnn)}" if rnn else ""
+    counter = flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
+    with (
+        preserved_state(t.model, ctx),
+        counter if args.count_flops and not rnn else contextlib.nullcontext(),
+    ):
+        with torch.autocast(**t.amp):
+            loss, count, _ = call_compute_loss(t.ddp_model, batch, ctx)
+        loss.backward()
+        # Trap: a parameter that got no gradient in a step leaves DDP waiting for it; it fails at the next step
+        # on every rank, with a hundred lines each. Checked here, in one process too.
+        missing = [
+            name for name, p in t.model.named_parameters() if p.requires_grad and p.grad is None
+        ]
+        missing = list(dict.fromkeys(sum(everyone(missing, ctx), [])))  # every rank's
+        if missing and not args.find_unused_parameters:
+            fail(
+                f"{len(missing)} parameter(s) got no gradient in the first step: {', '.join(missing[:5])}"
+                f"{', ...' if len(missing) > 5 else ''}. Pass --find-unused-parameters if some parameters sit out "
+                "some steps, or set requires_grad=False on those you freeze",
+                ctx=ctx,
+            )
+    if COUNT_UNIT == "samples" and float(count) != len(keys):
+        fail(
+            f'compute_loss counted {whole(float(count))} for {len(keys)} samples, but COUNT_UNIT is "samples": '
+            "return the batch's sample count, or set COUNT_UNIT to what your count counts (ddp_train.COUNT_UNIT = "
+            '"tokens")',
+            ctx=ctx,
+        )
+    # tokens: the first step's guess of its count, which keeps fp16 in range
+    if not t.progress.step:
+        t.progress.expected = float(count) * t.global_batch / len(keys)
+    if args.count_flops and not rnn:
+        t.meter.flops = counter.get_total_flops() / len(keys) or None
+        why_not = "" if t.meter.flops else "torch's FlopCounterMode counted no FLOPs in this model"
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()  # peak_gpu_mem_mb: training's, not resuming's
+    # Rank 0: how the run is set up, in two lines (and why FLOPs were not counted, if they were not).
+    each = t.global_batch // ctx.world_size
+    accum = math.ceil(each / args.batch_size)  # micro-batches per step: at most --batch-size each
+    split_up = (
+        f"{each // accum}/process x {ctx.world_size} x {accum} accum"
+        if each % accum == 0
+        else f"{each}/process x {ctx.world_size}, in {accum} micro-batches of at most {-(-each // accum)}"
+    )
+    log(
+        ctx,
+        f"{PROG}: {ctx.launcher}, world size {ctx.world_size} ({ctx.local_world_size}/node), "
+        f"{ctx.backend if ctx.world_size > 1 else 'no process group'}, {ctx.device}, "
+        f"{torch.get_num_threads()} thread(s)/process, torch {torch.__version__}\n"
+        f"global batch {t.global_batch} = {split_up}, lr {args.lr:g}, {len(t.train_set):,} train / "
+        f"{len(t.eval_set or ()):,} eval samples, {t.steps_per_epoch} steps/epoch"
+        + (f"\nFLOPs not counted: {why_not}; no FLOP/s or MFU is logged" if why_not else ""),
+    )
+
+
+# FlopCounterMode's formulas for attention cover the CUDA kernels, and the CPU's fused kernel only from torch
+# 2.14 on: before, the same count is given here (custom_mapping takes formulas of the inputs' shapes).
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: (
+        lambda q, k, v, *_, **__: flop_counter.sdpa_flop_count(q, k, v)
+    ),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        lambda g, q, k, v, *_, **__: flop_counter.sdpa_backward_flop_count(g, q, k, v)
+    ),
+}
 
 
 @contextlib.contextmanager
-def preserved_state(model: nn.Module, ctx: DistContext):
-    """Run a forward and backward that leave no trace: every RNG state, the buffers (BatchNorm's
-    statistics) and the gradients are as they were before."""
+def preserved_state(model, ctx):
+    """A forward and backward that leave no trace: every RNG state, the buffers (BatchNorm's statistics)
+    and the gradients are as they were before."""
     rng, buffers = rng_state(ctx.device), [b.clone() for b in model.buffers()]
-    try:
-        yield
-    finally:
-        set_rng_state(rng, ctx.device)
-        with torch.no_grad():
-            for b, saved in zip(model.buffers(), buffers):
-                b.copy_(saved)
-        model.zero_grad(set_to_none=True)
+    yield
+    set_rng_state(rng, ctx.device)
+    with torch.no_grad():
+        for buffer, saved in zip(model.buffers(), buffers):
+            buffer.copy_(saved)
+    model.zero_grad(set_to_none=True)
 
 
-# FlopCounterMode's formulas for attention cover the CUDA kernels; the CPU's fused kernel is the same count.
-# (custom_mapping takes formulas of the inputs' shapes, as torch's own are written.)
-CPU_ATTENTION_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-        lambda q, k, v, *_, out_shape=None, **__: flop_counter.sdpa_flop_count(q, k, v),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda grad, q, k, v, *_, out_shape=None, **__: flop_counter.sdpa_backward_flop_count(grad, q, k, v)}
+# ====== Evaluation: every sample once, on every rank; the EMA's too; the best weights kept ===================
 
 
-# ====== Extras: gradients, precision, the schedule, argument parsing, errors ================================
-
-
-def evaluation(job: Job, progress: Progress) -> dict:
+def evaluation(t):
     """All ranks: the eval figures of the weights, and of --ema's as eval_ema_*; then --keep-best."""
-    if not job.eval_data:
+    if t.eval_set is None:
         return {}
-    figures = evaluate(job.model, job.eval_data, job.args, job.ctx)
-    if "ema" in job.state:
-        ema = evaluate(job.state["ema"].module, job.eval_data, job.args, job.ctx)
-        figures.update({f"eval_ema_{k[5:]}": v for k, v in ema.items() if k[5:] not in ("samples", COUNT_UNIT)})
-    if job.args.keep_best:
-        keep_best(figures, job, progress)
-    return {"step": progress.step, "epoch": progress.epoch + 1, **figures}
+    figures = evaluate(t.model, t)
+    if "ema" in t.state:
+        ema = evaluate(t.state["ema"].module, t)
+        figures |= {
+            f"eval_ema_{k[5:]}": v for k, v in ema.items() if k[5:] not in ("samples", COUNT_UNIT)
+        }
+    # METRIC[:min|:max]: best.pt (--ema's for eval_ema_*) at each better evaluation
+    if t.args.keep_best:
+        name, _, way = t.args.keep_best.partition(":")
+        if name not in figures or way not in ("", "min", "max"):
+            fail(
+                f"--keep-best {t.args.keep_best}: name one of the evaluation's figures ({', '.join(figures)}), "
+                "with :min or :max if you like",
+                ctx=t.ctx,
+            )
+        value, best, lower = figures[name], t.progress.best, way == "min" if way else "loss" in name
+        if best is None or (value < best if lower else value > best):
+            t.progress.best = value
+            model = t.state["ema"].module if name.startswith("eval_ema_") else t.model
+            if t.ctx.rank == 0:
+                atomic_save(model.state_dict(), f"{t.args.out_dir}/best.pt")
+            wait_for_rank0(t.ctx)
+    return {"step": t.progress.step, "epoch": t.progress.epoch + 1, **figures}
 
 
-def keep_best(figures: dict, job: Job, progress: Progress) -> None:
-    """--keep-best METRIC[:min|:max]: best.pt (--ema's for eval_ema_*) at each evaluation that beats progress.best."""
-    name, _, way = job.args.keep_best.partition(":")
-    if name not in figures or way not in ("", "min", "max"):
-        fail(f"--keep-best {job.args.keep_best}: name one of the evaluation's figures ({', '.join(figures)}), "
-             "with :min or :max if you like", ctx=job.ctx)
-    value, lower = figures[name], way == "min" if way else "loss" in name
-    if progress.best is None or (value < progress.best if lower else value > progress.best):
-        progress.best = value
-        model = job.state["ema"].module if name.startswith("eval_ema_") else job.model
-        if job.ctx.is_main:
-            atomic_save(model.state_dict(), os.path.join(job.args.out_dir, "best.pt"))
-        wait_for_rank0(job.ctx)
+@torch.no_grad()
+def evaluate(model, t):
+    """Loss and metric means over the whole eval set, each sample counted exactly once. All ranks: each
+    evaluates its share with the raw model (DDP's forward may sync), then the sums are added."""
+    ctx, world = t.ctx, t.ctx.world_size
+    # DDP: rank 0's buffers (BatchNorm statistics) on every rank: one model evaluated (DDP itself does this at
+    # the next step's start).
+    for buffer in model.buffers() if world > 1 else ():
+        dist.broadcast(buffer, 0)
+    if not hasattr(t, "eval_loader"):
+        t.eval_loader = loader_of(t.eval_set, t.args, ctx)
+    loader, batches = t.eval_loader
+    # DDP: each rank evaluates its own share, in order: what DistributedSampler(shuffle=False) deals it, without
+    # its padding. (Evaluation's own data seeds: epoch -1.)
+    mine = list(range(ctx.rank, len(t.eval_set), world))
+    batches[:] = [(-1, b) for b in split(mine, t.args.batch_size)]
+    sums = {"samples": len(mine), "count": 0}
+    model.eval()
+    for batch in on_device(loader, ctx):
+        with torch.autocast(**t.amp):
+            loss, n, metrics = call_compute_loss(model, batch, ctx)
+        for name, mean in {"loss": loss, **metrics}.items():  # means, weighed by their count
+            sums[name] = sums.get(name, 0) + torch.as_tensor(mean).double() * n
+        sums["count"] += n
+    model.train()
+    # DDP: all ranks' sums (some may lack names)
+    gathered = everyone({k: float(v) for k, v in sums.items()}, ctx)
+    totals = {
+        k: sum(g.get(k, 0.0) for g in gathered)
+        for k in dict.fromkeys(k for g in gathered for k in g)
+    }
+    samples, count = int(totals.pop("samples")), totals.pop("count")
+    tokens = {f"eval_{COUNT_UNIT}": whole(count)} if COUNT_UNIT != "samples" else {}
+    return {f"eval_{name}": value / count for name, value in totals.items()} | {
+        "eval_samples": samples,
+        **tokens,
+    }
 
 
-def call_compute_loss(model: nn.Module, batch, ctx: DistContext) -> tuple:
-    """compute_loss(model, batch) as (loss_sum, count, metric_sums), checked on the way."""
+# ====== Extras: precision, compute_loss's contract, argument parsing, errors =================================
+
+
+def call_compute_loss(model, batch, ctx):
+    """compute_loss(model, batch) as (loss, count, metrics), checked on the way."""
     out = compute_loss(model, batch)
-    if not (isinstance(out, tuple) and len(out) in (2, 3) and torch.is_tensor(out[0]) and out[0].dim() == 0
-            and (isinstance(out[1], (int, float)) or torch.is_tensor(out[1]) and out[1].numel() == 1)
-            and (len(out) == 2 or isinstance(out[2], dict))):
-        shape = tuple(out[0].shape) if isinstance(out, tuple) and out and torch.is_tensor(out[0]) else None
-        fail(f"compute_loss must return (loss_sum, count) or (loss_sum, count, {{name: sum}}): loss_sum a 0-dim "
-             f"tensor, count a number or a 0-dim tensor; it returned {type(out).__name__}"
-             + (f" with a loss of shape {shape}: sum the per-sample losses" if shape else ""), ctx=ctx)
-    return out[0], out[1], out[2] if len(out) == 3 else {}
-
-
-def check_every_parameter_got_a_gradient(job: Job) -> None:
-    """Trap: a parameter that got no gradient in a step leaves DDP waiting for it; it fails at the next
-    step on every rank, with a hundred lines each. Checked in warm_up's backward, in one process too."""
-    if job.args.find_unused_parameters:
-        return
-    missing = [name for name, p in job.model.named_parameters() if p.requires_grad and p.grad is None]
-    missing = list(dict.fromkeys(name for names in everyone(missing, job.ctx) for name in names))  # all ranks'
-    if missing:
-        fail(f"{len(missing)} parameter(s) got no gradient in the first step: {', '.join(missing[:5])}"
-             f"{', ...' if len(missing) > 5 else ''}. Pass --find-unused-parameters if some parameters sit out "
-             "some steps, or set requires_grad=False on those you freeze", ctx=job.ctx)
-
-
-def mean_gradients(job: Job, count) -> torch.Tensor:
-    """Make the step's gradient the mean over its global count, once per step, then --clip-grad-norm
-    it, over every parameter of the model. Backward saw the sums / typical_count (a constant that keeps
-    them in fp16's range), and DDP averaged them over ranks: x world size x typical_count / count.
-    Returns the gradient norm before clipping (a 0-dim tensor: no host sync)."""
-    for optimizer in job.optimizers:
-        job.scaler.unscale_(optimizer)  # Trap: clip and log the true gradients, not fp16's loss-scaled ones
-    grads = [p.grad for p in job.params if p.grad is not None]
-    scale = gradient_scale(count, job.ctx.world_size * job.typical_count, grads[0].dtype)  # DDP: sums -> mean
-    if scale is not None:
-        torch._foreach_mul_(grads, scale)  # one kernel for all gradients (what torch's own optimizers use)
-    # The norm, and the clip if asked (without: x 1.0 when finite, which changes nothing): one call on every torch.
-    return torch.nn.utils.clip_grad_norm_(job.params, job.args.clip_grad_norm or math.inf)
-
-
-def gradient_scale(count, factor: float, dtype: torch.dtype):
-    """factor / count, what turns the gradients DDP averaged into the mean over the step's count: None
-    where it is exactly 1 (a classifier without accumulation), 0 for a step without a count. A count on
-    a GPU gives a 0-dim tensor there, in the gradients' dtype. Trap: a float64 scale on float32
-    gradients sends _foreach_mul_ to its slow path, one kernel per parameter (ForeachBinaryOpScalarTensor.cu
-    takes the fast path only when the scalar tensor's dtype matches)."""
-    if torch.is_tensor(count):
-        return torch.where(count > 0, factor / count, 0.0).to(dtype)
-    if count == factor:
-        return None
-    return factor / count if count > 0 else 0.0
-
-
-def broadcast_buffers(model: nn.Module, ctx: DistContext) -> None:
-    """DDP: give every rank rank 0's buffers (BatchNorm statistics), so that evaluation on every
-    rank, and model.pt, describe one model. (DDP itself does this at the next step's start.)"""
-    if ctx.distributed:
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
-
-
-def autocast(args, ctx: DistContext):
-    if args.amp == "off":
-        return contextlib.nullcontext()
-    return torch.autocast(ctx.device.type, dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
-
-
-def set_learning_rate(job: Job, step: int) -> None:
-    """Each parameter group's own base rate (noted in the group the first time: the checkpoint carries it) x the
-    schedule's factor at `step`, which depends only on the step and the run's length: no state of its own."""
-    factor = lr_factor(job.args.schedule, step, job.total_steps, job.args.warmup_steps)
-    for optimizer in job.optimizers:
-        for group in optimizer.param_groups:
-            group["lr"] = group.setdefault("base_lr", group["lr"]) * factor
-
-
-def lr_factor(schedule: str, step: int, total: int, warmup: int) -> float:
-    """--schedule's multiplier at step `step` (0-based) of `total`: a linear warmup over `warmup` steps, then a
-    cosine or linear decay to 0, a constant, or wsd (constant, then linear to 0 over the run's last fifth)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "wsd":
-        return min(1.0, (total - step) / max(1.0, 0.2 * total))
-    done = (step - warmup) / max(1, total - warmup)
-    return {"cosine": 0.5 * (1 + math.cos(math.pi * done)), "linear": 1 - done, "constant": 1.0}[schedule]
+    loss, count, metrics = (
+        (*out, {})[:3] if isinstance(out, tuple) and len(out) in (2, 3) else (out, None, None)
+    )
+    if torch.is_tensor(loss) and loss.dim() == 0 and isinstance(metrics, dict):
+        if isinstance(count, (int, float)) or torch.is_tensor(count) and count.numel() == 1:
+            return loss, count, metrics
+    shape = list(loss.shape) if torch.is_tensor(loss) else None
+    fail(
+        f"compute_loss must return (loss, count) or (loss, count, {{name: mean}}): loss the mean over count items, "
+        f"a 0-dim tensor; count a number or a 0-dim tensor; it returned {type(out).__name__}"
+        + (f" with a loss of shape {shape}: take the mean over the batch" if shape else ""),
+        ctx=ctx,
+    )
 
 
 class Parser(argparse.ArgumentParser):
@@ -1824,35 +2038,39 @@ class Parser(argparse.ArgumentParser):
         fail(f"{message} (see --help)")
 
 
-def at_least(low, strict: bool = False):
+def at_least(low, strict=False):
     """An argparse type: a number (an int if `low` is one) no smaller than `low` (strict: greater)."""
 
     def parse(text):
         value = type(low)(text)
-        if not math.isfinite(value) or value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"must be {'greater than' if strict else 'at least'} {low:g}, got {text}")
+        if not low <= value < math.inf or strict and value == low:
+            raise argparse.ArgumentTypeError(
+                f"must be {'greater than' if strict else 'at least'} {low:g}, got {text}"
+            )
         return value
 
-    parse.__name__ = type(low).__name__  # argparse's own "invalid int value: 'abc'" takes the type's name from here
+    # argparse's own "invalid int value: 'abc'" takes the type's name from here
+    parse.__name__ = type(low).__name__
     return parse
 
 
-def fail(message: str, code: int = 2, ctx: DistContext | None = None) -> None:
+def fail(message, code=2, ctx=None):
     """Stop with one clear line on stderr and no traceback. With a ctx, the error is one that every
     rank hits, so only rank 0 prints it."""
-    if ctx is None or ctx.is_main:
+    if ctx is None or ctx.rank == 0:
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary shows this line (@record skips SystemExit)
+    # torchrun's summary shows this line (@record skips SystemExit)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-            json.dump({"message": {"message": f"{PROG}: error: {message}",  # the layout of torch's ErrorHandler
-                                   "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+            info = {"timestamp": str(int(time.time()))}  # the layout of torch's ErrorHandler
+            json.dump({"message": {"message": f"{PROG}: error: {message}", "extraInfo": info}}, f)
     raise SystemExit(code)
 
 
-def one_line(exc: BaseException, last: bool = False) -> str:
+def one_line(exc, last=False):
     """An exception's first line (or last), or its type's name."""
-    text = str(exc).strip()
-    return text.splitlines()[-1 if last else 0] if text else type(exc).__name__
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    return lines[-1 if last else 0]
 
 
 if __name__ == "__main__":

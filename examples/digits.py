@@ -27,11 +27,16 @@ import ddp_train
 
 # Digits 0-9 in a 5x7 bitmap font: the clean images every sample starts from.
 GLYPHS = [
-    "01110 10001 10011 10101 11001 10001 01110", "00100 01100 00100 00100 00100 00100 01110",
-    "01110 10001 00001 00010 00100 01000 11111", "11111 00010 00100 00010 00001 10001 01110",
-    "00010 00110 01010 10010 11111 00010 00010", "11111 10000 11110 00001 00001 10001 01110",
-    "00110 01000 10000 11110 10001 10001 01110", "11111 00001 00010 00100 01000 01000 01000",
-    "01110 10001 10001 01110 10001 10001 01110", "01110 10001 10001 01111 00001 00010 01100",
+    "01110 10001 10011 10101 11001 10001 01110",
+    "00100 01100 00100 00100 00100 00100 01110",
+    "01110 10001 00001 00010 00100 01000 11111",
+    "11111 00010 00100 00010 00001 10001 01110",
+    "00010 00110 01010 10010 11111 00010 00010",
+    "11111 10000 11110 00001 00001 10001 01110",
+    "00110 01000 10000 11110 10001 10001 01110",
+    "11111 00001 00010 00100 01000 01000 01000",
+    "01110 10001 10001 01110 10001 10001 01110",
+    "01110 10001 10001 01111 00001 00010 01100",
 ]
 NUM_DIGITS, TRAIN_SIZE = 1797, 1437  # as many as scikit-learn's digits, and its usual 80% split
 # DIGITS_AUGMENT=torch: augment with torch alone (the benchmark's second user-Dataset row).
@@ -42,7 +47,10 @@ def render(label: int, gen: torch.Generator) -> torch.Tensor:
     """One 8x8 image of a digit: the glyph at a random place, with random stroke strength."""
     glyph = torch.tensor([[float(c) for c in row] for row in GLYPHS[label].split()])  # 7 x 5
     image = torch.zeros(8, 8)
-    top, left = torch.randint(0, 2, (1,), generator=gen).item(), torch.randint(0, 4, (1,), generator=gen).item()
+    top, left = (
+        torch.randint(0, 2, (1,), generator=gen).item(),
+        torch.randint(0, 4, (1,), generator=gen).item(),
+    )
     image[top : top + 7, left : left + 5] = glyph * (0.6 + 0.4 * torch.rand(1, generator=gen))
     return image
 
@@ -60,9 +68,15 @@ class Digits(Dataset):
         image = self.images[i]
         if self.augment:
             if TORCH_ONLY:  # as torchvision's transforms draw
-                shift, scale = int(torch.randint(-1, 2, ())), float(torch.empty(()).uniform_(0.8, 1.2))
+                shift, scale = (
+                    int(torch.randint(-1, 2, ())),
+                    float(torch.empty(()).uniform_(0.8, 1.2)),
+                )
             else:
-                shift, scale = random.choice((-1, 0, 1)), float(np.random.uniform(0.8, 1.2))  # Python's random, numpy
+                shift, scale = (
+                    random.choice((-1, 0, 1)),
+                    float(np.random.uniform(0.8, 1.2)),
+                )  # Python's random, numpy
             image = torch.roll(image, shifts=shift, dims=1) * scale
             image = image + 0.2 * torch.randn(8, 8)  # torch
         return image.unsqueeze(0), self.labels[i]
@@ -76,15 +90,23 @@ def build_datasets(args):
     # so every rank (and every resumed run) gets the same one.
     train_part, eval_part = random_split(range(NUM_DIGITS), [TRAIN_SIZE, NUM_DIGITS - TRAIN_SIZE])
     train_idx, eval_idx = list(train_part), list(eval_part)
-    return (Digits(images[train_idx], labels[train_idx], augment=True),
-            Digits(images[eval_idx], labels[eval_idx], augment=False))
+    return (
+        Digits(images[train_idx], labels[train_idx], augment=True),
+        Digits(images[eval_idx], labels[eval_idx], augment=False),
+    )
 
 
 def build_model(args):
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1, stride=2), nn.BatchNorm2d(32), nn.ReLU(),
-        nn.Flatten(), nn.Dropout(0.2), nn.Linear(32 * 4 * 4, 10),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1, stride=2),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Dropout(0.2),
+        nn.Linear(32 * 4 * 4, 10),
     )
 
 

@@ -33,7 +33,10 @@ import ddp_train
 
 BOS, VOCAB = 256, 257  # token ids: the 256 byte values, then the begin-of-sequence marker
 IGNORE = -100  # F.cross_entropy's default ignore_index: the target at a padding position
-TRAIN_SIZE, EVAL_SIZE = 3000, 300  # functions: the first 3300 come from 83 files (__future__ to modulefinder)
+TRAIN_SIZE, EVAL_SIZE = (
+    3000,
+    300,
+)  # functions: the first 3300 come from 83 files (__future__ to modulefinder)
 EVAL_EVERY = 11  # every 11th function is held out for evaluation (3000 + 300 = 3300 = 300 * 11)
 MIN_LEN, MAX_LEN = 16, 128  # bytes of source: shorter functions are skipped, longer ones cut
 DIM, LAYERS, HEADS, DROPOUT = 64, 2, 4, 0.1
@@ -55,8 +58,14 @@ def stdlib_functions():
         # The lines as ast numbers them, in bytes as its column offsets count. (ast.get_source_segment
         # would do it, but it splits the whole file again for every function: a minute for 3300.)
         lines = source.encode().split(b"\n")
-        functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        for node in sorted(functions, key=lambda node: (node.lineno, node.col_offset)):  # walk() is breadth-first
+        functions = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        ]
+        for node in sorted(
+            functions, key=lambda node: (node.lineno, node.col_offset)
+        ):  # walk() is breadth-first
             first, last = node.lineno - 1, node.end_lineno - 1
             # From the start of the def's line: a method keeps its indentation on every line, for dedent.
             text = b"\n".join(lines[first:last] + [lines[last][: node.end_col_offset]]).decode()
@@ -83,7 +92,9 @@ def build_datasets(args):
     train, held_out = [], []
     kept = (text.encode()[:MAX_LEN] for text in stdlib_functions())
     for i, text in enumerate(t for t in kept if len(t) >= MIN_LEN):
-        if len(held_out) < EVAL_SIZE and (i % EVAL_EVERY == EVAL_EVERY - 1 or len(train) == TRAIN_SIZE):
+        if len(held_out) < EVAL_SIZE and (
+            i % EVAL_EVERY == EVAL_EVERY - 1 or len(train) == TRAIN_SIZE
+        ):
             held_out.append(text)
         elif len(train) < TRAIN_SIZE:
             train.append(text)
@@ -106,17 +117,26 @@ class Block(nn.Module):
     def __init__(self, dim: int, heads: int, dropout: float):
         super().__init__()
         self.heads, self.dropout = heads, dropout
-        self.ln1, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.ln1, self.qkv, self.proj = (
+            nn.LayerNorm(dim),
+            nn.Linear(dim, 3 * dim),
+            nn.Linear(dim, dim),
+        )
         self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout)
+        )
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
         B, L, D = x.shape
         # One matmul for q, k and v, split into heads: three tensors of shape (B, heads, L, D / heads).
-        q, k, v = self.qkv(self.ln1(x)).view(B, L, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             dropout_p=self.dropout if self.training else 0.0)
+        q, k, v = (
+            self.qkv(self.ln1(x)).view(B, L, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        )
+        att = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         x = x + self.drop(self.proj(att.transpose(1, 2).reshape(B, L, D)))
         return x + self.mlp(self.ln2(x))
 
@@ -128,7 +148,10 @@ class TinyLM(nn.Module):
 
     def __init__(self, dim: int, layers: int, heads: int, dropout: float, max_len: int):
         super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, dim), nn.Embedding(max_len + 1, dim)  # any whole sample fits
+        self.tok, self.pos = (
+            nn.Embedding(VOCAB, dim),
+            nn.Embedding(max_len + 1, dim),
+        )  # any whole sample fits
         self.blocks = nn.Sequential(*(Block(dim, heads, dropout) for _ in range(layers)))
         self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, VOCAB, bias=False)
         # Small embeddings, as GPT-2's: Adam moves every weight by about the learning rate a step, which
@@ -147,12 +170,15 @@ def build_model(args):
 
 
 def compute_loss(model, batch):
-    """Sums over the real target tokens, and their count: no .item(), which would wait for the GPU."""
+    """The mean over the real target tokens (the padding is ignore_index), and their count: tensors, no .item(),
+    which would wait for the GPU. ddp_train weighs each micro-batch's mean by its count, so that the gradient
+    and the logged loss are the mean over every real token of the step on every rank."""
     targets = batch["targets"]
     logits = model(batch["inputs"]).float()
-    loss_sum = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
     real = targets != IGNORE
-    return loss_sum, real.sum(), {"accuracy": ((logits.argmax(dim=-1) == targets) & real).sum()}
+    accuracy = ((logits.argmax(dim=-1) == targets) & real).sum() / real.sum()
+    return loss, real.sum(), {"accuracy": accuracy}
 
 
 # Hand the functions to ddp_train when this file is imported, not only when it runs as a script:
