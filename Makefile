@@ -24,6 +24,8 @@ PYTEST_PIN := pytest==9.0.3
 XDIST_PIN := pytest-xdist==3.8.0
 # The tests read --tensorboard's curves with TensorBoard's own reader; ddp_train.py itself needs only torch.
 TENSORBOARD_PIN := tensorboard==2.20.0
+# make lint: every Python file as ruff formats it at line length 100.
+RUFF_PIN := ruff==0.14.0
 # Multi-node settings, passed to run_multi_node.sh (see its header).
 NNODES ?= 2
 NODE_RANK ?= 0
@@ -37,12 +39,12 @@ TORCH ?=
 TORCH_VENV = .venv-torch-$(TORCH)
 PIP = -m pip install -q --disable-pip-version-check
 
-.PHONY: help setup train train-cpu train-multinode test test-fast test-gpu test-torch bench clean
+.PHONY: help setup train train-cpu train-multinode test test-fast test-gpu test-torch lint bench clean
 
 help:  ## these targets, one line each
 	@awk -F':.*## ' '/^[a-z%-]+:.*## / {sub("%", "N", $$1); printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-setup: $(VENV)/.ready  ## create .venv: the pinned CPU torch, numpy, pytest, pytest-xdist and tensorboard, unless present
+setup: $(VENV)/.ready  ## create .venv: the pinned CPU torch, numpy, pytest, pytest-xdist, tensorboard and ruff, unless present
 
 # Offline (a GPU node with its image's torch): what PYTHON imports is used, and what is missing but optional
 # (pytest-xdist, tensorboard) is said in one line each; torch, numpy and pytest missing stop here.
@@ -54,6 +56,7 @@ $(VENV)/.ready: Makefile
 	@$(PY) -c "import pytest" 2>/dev/null || $(PY) $(PIP) $(PYTEST_PIN)
 	@$(PY) -c "import xdist" 2>/dev/null || $(PY) $(PIP) $(XDIST_PIN) 2>/dev/null || echo "make setup: no pytest-xdist (offline?): make test runs one test at a time"
 	@$(PY) -c "import tensorboard" 2>/dev/null || $(PY) $(PIP) $(TENSORBOARD_PIN) 2>/dev/null || echo "make setup: no tensorboard (offline?): the TensorBoard tests skip"
+	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) $(PIP) $(RUFF_PIN) 2>/dev/null || echo "make setup: no ruff (offline?): make lint and the format test skip"
 	@$(PY) -c "import torch; v = torch.__version__; print('torch', v, 'ready in $(VENV)'); [2, 4] <= [int(p) for p in \
 	  v.split('.')[:2]] <= [2, 15] or print(f'make setup: torch {v} is outside 2.4 to 2.15, the versions tested; going on')"
 	@touch $@
@@ -74,6 +77,9 @@ train-multinode: setup  ## on every node: make train-multinode NODE_RANK=1 MASTE
 	PYTHON=$(PY) NNODES=$(NNODES) NODE_RANK=$(NODE_RANK) MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT) \
 	  NPROC_PER_NODE=$(NPROC_PER_NODE) SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT) SCRIPT=$(SCRIPT) \
 	  ./run_multi_node.sh --out-dir $(out_dir) $(ARGS)
+
+lint: setup  ## every Python file formatted as ruff format --line-length 100 writes it
+	$(PY) -m ruff format --check --line-length 100 .
 
 test: setup  ## the whole test suite: real processes, two tests at a time (pytest-xdist)
 	$(PY) -m pytest -q $$($(PY) -c "import xdist" 2>/dev/null && echo --numprocesses=2) test_ddp_train.py
