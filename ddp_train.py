@@ -187,6 +187,7 @@ def run(args) -> int:
                 timeout=ctx.timeout,
                 **rendezvous(ctx),
             )
+            ctx.make_groups()  # gloo groups of our own: control messages, waits for rank 0's writes
         trainer = Trainer(args, ctx)
         return trainer.train()
     except BaseException as exc:
@@ -617,6 +618,8 @@ class Context:
     # SIGTERM or SIGUSR1 (torchrun, Kubernetes, SLURM's --signal), or SIGINT (Ctrl-C);
     received: int = 0
     received_at: float = 0.0  # and when
+    control: object = None  # gloo groups (make_groups)
+    patient: object = None
 
     @classmethod
     def of_this_process(cls, args):
@@ -684,13 +687,12 @@ class Context:
 
     backend = property(lambda self: "nccl" if self.device.type == "cuda" else "gloo")
 
-    @functools.cached_property
-    def control(self):  # gloo, for small control messages beside training's (no GPU involved)
-        return dist.new_group(backend="gloo", timeout=self.timeout)
-
-    @functools.cached_property
-    def patient(self):  # gloo, for waiting on rank 0's own work
-        return dist.new_group(backend="gloo", timeout=PATIENT)
+    def make_groups(self):
+        """gloo groups beside training's, made right after joining, while every rank is there (a group made later
+        waits for every rank for its own timeout, an hour for the patient one, if a node is lost meanwhile):
+        control, for small control messages (no GPU involved); patient, for waiting on rank 0's own work."""
+        self.control = dist.new_group(backend="gloo", timeout=self.timeout)
+        self.patient = dist.new_group(backend="gloo", timeout=PATIENT)
 
 
 def adopt_launcher_environment(args):
