@@ -73,10 +73,8 @@ class Digits(Dataset):
                     float(torch.empty(()).uniform_(0.8, 1.2)),
                 )
             else:
-                shift, scale = (
-                    random.choice((-1, 0, 1)),
-                    float(np.random.uniform(0.8, 1.2)),
-                )  # Python's random, numpy
+                # Python's random, numpy
+                shift, scale = random.choice((-1, 0, 1)), float(np.random.uniform(0.8, 1.2))
             image = torch.roll(image, shifts=shift, dims=1) * scale
             image = image + 0.2 * torch.randn(8, 8)  # torch
         return image.unsqueeze(0), self.labels[i]

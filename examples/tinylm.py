@@ -33,10 +33,8 @@ import ddp_train
 
 BOS, VOCAB = 256, 257  # token ids: the 256 byte values, then the begin-of-sequence marker
 IGNORE = -100  # F.cross_entropy's default ignore_index: the target at a padding position
-TRAIN_SIZE, EVAL_SIZE = (
-    3000,
-    300,
-)  # functions: the first 3300 come from 83 files (__future__ to modulefinder)
+# functions: the first 3300 come from 83 files (__future__ to modulefinder)
+TRAIN_SIZE, EVAL_SIZE = 3000, 300
 EVAL_EVERY = 11  # every 11th function is held out for evaluation (3000 + 300 = 3300 = 300 * 11)
 MIN_LEN, MAX_LEN = 16, 128  # bytes of source: shorter functions are skipped, longer ones cut
 DIM, LAYERS, HEADS, DROPOUT = 64, 2, 4, 0.1
@@ -148,10 +146,8 @@ class TinyLM(nn.Module):
 
     def __init__(self, dim: int, layers: int, heads: int, dropout: float, max_len: int):
         super().__init__()
-        self.tok, self.pos = (
-            nn.Embedding(VOCAB, dim),
-            nn.Embedding(max_len + 1, dim),
-        )  # any whole sample fits
+        self.tok = nn.Embedding(VOCAB, dim)
+        self.pos = nn.Embedding(max_len + 1, dim)  # any whole sample fits
         self.blocks = nn.Sequential(*(Block(dim, heads, dropout) for _ in range(layers)))
         self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, VOCAB, bias=False)
         # Small embeddings, as GPT-2's: Adam moves every weight by about the learning rate a step, which
