@@ -1185,6 +1185,7 @@ if __name__ == "__main__":
 """,
     # One process evaluates a saved model.pt over the whole eval set: python evaluate_saved.py MODEL ARGS...
     "evaluate_saved.py": """
+import contextlib
 import json
 import sys
 import types
@@ -1197,8 +1198,8 @@ ddp_train.seed_everything(args.seed)
 _, eval_set = ddp_train.build_datasets(args)
 model = ddp_train.build_model(args)
 model.load_state_dict(torch.load(sys.argv[1], weights_only=True))
-amp = dict(device_type="cpu", enabled=False)
-one_process = types.SimpleNamespace(args=args, ctx=ddp_train.Context(), eval_set=eval_set, amp=amp)
+one_process = types.SimpleNamespace(args=args, ctx=ddp_train.Context(), eval_set=eval_set,
+                                autocast=contextlib.nullcontext)
 print(json.dumps(ddp_train.evaluate(model, one_process)))
 """,
     # Your recipe (build_optimizer): a deterministic CNN (plain.py's) on digits, trained by two optimizers:
@@ -1427,6 +1428,30 @@ def build_optimizer(args, model):
 ddp_train.build_optimizer = build_optimizer
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
+""",
+    # The default task as a token task in which most samples carry no target (ignore_index), so that many
+    # micro-batches, the warm-up's first one included, hold no token at all: sgd.py with SGD_PROJECT=masked.
+    "masked.py": """
+import torch
+import torch.nn.functional as F
+import ddp_train
+
+default_datasets = ddp_train.build_datasets
+
+
+def build_datasets(args):
+    train_set, eval_set = default_datasets(args)
+    x, y = train_set.tensors
+    y = torch.where(torch.arange(len(y)) % 10 == 9, y, -100)  # samples 9, 19, 29, ... alone count
+    return torch.utils.data.TensorDataset(x, y), eval_set
+
+
+def compute_loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y, ignore_index=-100), (y != -100).sum()
+
+
+ddp_train.build_datasets, ddp_train.compute_loss, ddp_train.COUNT_UNIT = build_datasets, compute_loss, "tokens"
 """,
     # A user's own scheduler: torch's OneCycleLR over the run's steps, on the default task with stopper.py's
     # tripwire (recipe_mlp.py); every record report() gets goes, as a JSON line, to REPORT_TO.

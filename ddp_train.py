@@ -230,7 +230,12 @@ class Trainer:
         self.schedulers = [build_scheduler(args, o, self.total_steps) for o in self.optimizers]
         # --amp: autocast in bf16 or fp16; fp16's gradients need loss scaling.
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-        self.amp = dict(device_type=ctx.device.type, dtype=half, enabled=half is not None)
+        # (none at all without: a disabled autocast still costs microseconds in every forward)
+        self.autocast = (
+            functools.partial(torch.autocast, ctx.device.type, half)
+            if half
+            else contextlib.nullcontext
+        )
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")
         self.progress = Progress()
         # Every stateful part, by name: what a checkpoint saves and restores. One more part, one more line.
@@ -325,7 +330,7 @@ class Trainer:
             last = i >= n_micro - 1
             # DDP: all-reduce the gradients only in the backward of the step's last micro-batch.
             with contextlib.nullcontext() if last or world == 1 else self.ddp_model.no_sync():
-                with torch.autocast(**self.amp):
+                with self.autocast():
                     loss, n, _ = call_compute_loss(self.forward, batch, self.ctx)
                 n = n if n_micro else 0
                 self.meter.add(loss, n)  # this rank's loss sum and count, on the device
@@ -388,7 +393,8 @@ def loader_of(dataset, args, ctx) -> tuple:
         batch_sampler=batches,
         num_workers=workers,
         persistent_workers=workers > 0,  # started once, not every epoch
-        pin_memory=ctx.device.type == "cuda",
+        # (in the workers' pinning thread; a Dataset of CUDA tensors, loaded here, could not be pinned)
+        pin_memory=workers > 0 and ctx.device.type == "cuda",
         collate_fn=SeededSamples.as_is,
         worker_init_fn=SeededSamples.leave_signals_to_trainer,  # Trap: else a SIGTERM kills the workers first
         generator=torch.Generator(),  # Trap: its base seed from a generator of its own: the global one is dropout's
@@ -1307,6 +1313,16 @@ def resume(t):
             )
             for one, saved in parts:
                 one.load_state_dict(saved)
+    # A run of another length: only a LambdaLR follows it (its function reads the new total); another
+    # scheduler keeps the total it was built for (OneCycleLR would raise past it, a cosine climb back).
+    if ckpt["total_steps"] != t.total_steps and not all(
+        isinstance(s, LambdaLR) for s in t.schedulers
+    ):
+        fail(
+            f"cannot resume from {path} for {t.total_steps} steps: your scheduler was built for the run's "
+            f"{ckpt['total_steps']}; keep --epochs and --max-steps, or start over with --resume never",
+            ctx=ctx,
+        )
     # A longer run: the next step's lr from the schedule as it now is. (A LambdaLR's function is not in its
     # state, and it knows the new total; the optimizer's lr is the old schedule's.)
     for s in t.schedulers:
@@ -1349,6 +1365,7 @@ def save_checkpoint(t):
         state.update(
             format=CHECKPOINT_FORMAT,
             config=run_config(t) | {"epochs": t.args.epochs},
+            total_steps=t.total_steps,
             world_size=t.ctx.world_size,
         )
         atomic_save(state, *checkpoint_paths(t.args.out_dir))
@@ -1486,8 +1503,12 @@ class StepCount:
         grads = [p.grad for p in self.t.params if p.grad is not None]
         # Trap: a float64 scale on float32 gradients sends _foreach_mul_ to its slow path, one kernel per
         # parameter (ForeachBinaryOpScalarTensor.cu takes the fast path only when the dtypes match).
-        torch._foreach_mul_(grads, (self.expected / self.total).to(grads[0].dtype))
-        self.expected = self.t.progress.expected = self.total
+        # (a step without tokens anywhere: nothing to weigh, and the next one expects the last count)
+        some = self.total > 0
+        torch._foreach_mul_(
+            grads, torch.where(some, self.expected / self.total, 0).to(grads[0].dtype)
+        )
+        self.expected = self.t.progress.expected = torch.where(some, self.total, self.expected)
 
 
 def grad_norm(params, clip):
@@ -1527,8 +1548,13 @@ class Meter:
         self.waited = self.computed = 0.0  # this rank's seconds, since the start
         self.timing = [0.0] * 2 * t.ctx.world_size  # every rank's, as of the last fold
         self.forward_at = self.flops = self.first_step_at = self.last_norm = self.writer = None
-        # (a graph break under torch.compile: dynamo would trace the CUDA event into its graph)
-        t.model.register_forward_pre_hook(torch.compiler.disable(self.forward_starts))
+        # the next step's lr (also for an epoch resumed at its end, which runs no step before its record)
+        self.lr = t.optimizers[0].param_groups[0]["lr"]
+        # Under --compile a graph break: dynamo would trace the CUDA event into its graph.
+        hook = (
+            torch.compiler.disable(self.forward_starts) if t.args.compile else self.forward_starts
+        )
+        t.model.register_forward_pre_hook(hook)
         if t.ctx.rank == 0:
             os.makedirs(t.args.out_dir, exist_ok=True)
             with open(f"{t.args.out_dir}/metrics.jsonl", "a+") as f:
@@ -1868,7 +1894,7 @@ def warm_up(t):
         preserved_state(t.model, ctx),
         counter if args.count_flops and not rnn else contextlib.nullcontext(),
     ):
-        with torch.autocast(**t.amp):
+        with t.autocast():
             loss, count, _ = call_compute_loss(t.ddp_model, batch, ctx)
         loss.backward()
         # Trap: a parameter that got no gradient in a step leaves DDP waiting for it; it fails at the next step
@@ -1893,7 +1919,7 @@ def warm_up(t):
         )
     # tokens: the first step's guess of its count, which keeps fp16 in range
     if not t.progress.step:
-        t.progress.expected = float(count) * t.global_batch / len(keys)
+        t.progress.expected = max(float(count), 1.0) * t.global_batch / len(keys)
     if args.count_flops and not rnn:
         t.meter.flops = counter.get_total_flops() / len(keys) or None
         why_not = "" if t.meter.flops else "torch's FlopCounterMode counted no FLOPs in this model"
@@ -1994,7 +2020,7 @@ def evaluate(model, t):
     sums = {"samples": len(mine), "count": 0}
     model.eval()
     for batch in on_device(loader, ctx):
-        with torch.autocast(**t.amp):
+        with t.autocast():
             loss, n, metrics = call_compute_loss(model, batch, ctx)
         for name, mean in {"loss": loss, **metrics}.items():  # means, weighed by their count
             sums[name] = sums.get(name, 0) + torch.as_tensor(mean).double() * n
@@ -2025,6 +2051,11 @@ def call_compute_loss(model, batch, ctx):
     )
     if torch.is_tensor(loss) and loss.dim() == 0 and isinstance(metrics, dict):
         if isinstance(count, (int, float)) or torch.is_tensor(count) and count.numel() == 1:
+            # No items (all ignore_index): the mean is 0/0, and weighs nothing.
+            if torch.is_tensor(count):
+                some = count.reshape(()).to(loss.device) > 0
+                loss = torch.where(some, loss, 0.0)
+                metrics = {k: torch.where(some, v, 0.0) for k, v in metrics.items()}
             return loss, count, metrics
     shape = list(loss.shape) if torch.is_tensor(loss) else None
     fail(
