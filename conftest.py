@@ -1571,9 +1571,8 @@ def project(tmp_path_factory) -> Path:
 # /tmp/slurm-fixture/<pid of the session>x<n>/; no munged, nothing of /etc/slurm.
 # ---------------------------------------------------------------------------
 
-SLURM_BASE = (
-    Path(tempfile.gettempdir()) / "slurm-fixture"
-)  # short: slurmd's socket paths must fit 108 bytes
+# short: slurmd's socket paths must fit 108 bytes
+SLURM_BASE = Path(tempfile.gettempdir()) / "slurm-fixture"
 FINAL_STATES = {
     "COMPLETED",
     "FAILED",
@@ -1876,12 +1875,10 @@ class SlurmCluster:
         )
         if self.namespaces:
             self._make_namespaces()
-        self.started_at = (
-            time.time()
-        )  # slurmctld checks time limits (and sends --signal) every 30 s from here
-        self._daemon(
-            ["slurmctld", "-D"], 0, "slurmctld"
-        )  # -D: our child, waited for; no pid file to trust
+        # slurmctld checks time limits (and sends --signal) every 30 s from here
+        self.started_at = time.time()
+        # -D: our child, waited for; no pid file to trust
+        self._daemon(["slurmctld", "-D"], 0, "slurmctld")
         while (
             "UP" not in self.run(["scontrol", "ping"], timeout=10).stdout
         ):  # a slurmd that finds no
@@ -1952,9 +1949,8 @@ class SlurmCluster:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        deadline = (
-            time.monotonic() + 1
-        )  # a job's slurmstepd exits a moment after squeue drops the job
+        # a job's slurmstepd exits a moment after squeue drops the job
+        deadline = time.monotonic() + 1
         while self.processes() and time.monotonic() < deadline:
             time.sleep(0.1)
         strays = self.processes()

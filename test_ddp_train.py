@@ -61,9 +61,8 @@ SMALL = ["--num-samples", "1000", "--eval-samples", "301", "--epochs", "2", "--b
 README = (ROOT / "README.md").read_text()
 gpu = pytest.mark.gpu
 multinode = pytest.mark.multinode
-slurm = (
-    pytest.mark.slurm
-)  # each pytest-xdist worker starts clusters of its own, their job ids apart
+# each pytest-xdist worker starts clusters of its own, their job ids apart
+slurm = pytest.mark.slurm
 
 
 # ---------------------------------------------------------------------------
@@ -85,9 +84,8 @@ def check_completed_run(r: Result, world_size: int, launcher: str):
 def test_plain_python_runs_one_process_without_process_group(tmp_path):
     r = run(python_cmd(*SMALL), tmp_path, env=clean_env(OMP_NUM_THREADS=None))
     check_completed_run(r, 1, "python")
-    assert (
-        f"no process group, cpu, {CORES} thread(s)/process" in r.stdout
-    )  # all cores for one process
+    # all cores for one process
+    assert f"no process group, cpu, {CORES} thread(s)/process" in r.stdout
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -99,9 +97,8 @@ def test_torchrun_single_node(tmp_path, nproc):
 def test_spawn_starts_local_processes_itself(tmp_path):
     r = run(python_cmd(*SMALL, "--spawn", 2), tmp_path, env=clean_env(OMP_NUM_THREADS=None))
     check_completed_run(r, 2, "spawn")
-    assert (
-        f"{max(1, CORES // 2)} thread(s)/process" in r.stdout
-    )  # the cores shared between the processes
+    # the cores shared between the processes
+    assert f"{max(1, CORES // 2)} thread(s)/process" in r.stdout
 
 
 @pytest.mark.tier
@@ -269,9 +266,8 @@ def test_make_train_then_train_cpu_then_train_again_each_target_continues_its_ow
         "torchrun, world size 2" in cpu.stdout
         and "saved out/train-cpu/ddp_train/model.pt" in cpu.stdout
     ), cpu.stdout
-    assert "out/train/ddp_train/checkpoint.pt holds a finished run" in again.stdout, (
-        again.stdout
-    )  # its own, resumed
+    # its own, resumed
+    assert "out/train/ddp_train/checkpoint.pt holds a finished run" in again.stdout, again.stdout
     # A script of yours has its own too; an --out-dir in ARGS wins (argparse takes the last), and make train
     # puts the target's after run_single.sh's own --gpu N, which must come first.
     dry = lambda *a: subprocess.run(
@@ -656,9 +652,8 @@ def test_data_loading_leaves_the_training_process_random_and_numpy_as_it_found_t
         env=clean_env(MIXUP_LOG=log, **env),
     )
     assert resumed_at(final.stdout)[1] == step, final
-    assert (
-        mixup_draws(Path(f"{log}.0")) == draws[0]
-    )  # the stopped run's draws, then the resumed run's
+    # the stopped run's draws, then the resumed run's
+    assert mixup_draws(Path(f"{log}.0")) == draws[0]
     assert_same_weights(final.weights, loaded[0].weights, exact=True)
 
 
@@ -691,9 +686,10 @@ def test_second_ctrl_c_stops_at_once_without_saving(project, tmp_path):
     r = run(digits_cmd(project, "python"), tmp_path, env=clean_env(**stop), expect=130)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "second Ctrl-C" in lines[0] and "Traceback" not in r.stderr, r
+    # --save-every 10
     assert (
         torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)["progress"]["step"] == 20
-    )  # --save-every 10
+    )
 
 
 @pytest.mark.fast
@@ -830,10 +826,11 @@ def test_clipping_with_accumulation_keeps_two_ranks_equal_to_one_process(tmp_pat
     one = run(python_cmd(*SMALL, *knobs, "--batch-size", "32"), tmp_path, out="one")
     assert_same_weights(two.weights, one.weights)
     for a, b in zip(two.metrics, one.metrics):
+        # it clipped
         assert (
             a["grad_norm_max"] == pytest.approx(b["grad_norm_max"], rel=1e-4)
             and a["grad_norm_max"] > 0.1
-        )  # it clipped
+        )
 
 
 def test_a_diverging_run_stops_on_every_rank_and_keeps_the_last_good_checkpoint(project, tmp_path):
@@ -1211,9 +1208,8 @@ def test_the_step_count_is_made_on_the_device_and_scales_gradients_in_their_own_
             and scales[-1].item() == 2.0
             and torch.equal(p.grad, torch.full_like(p, 12))
         )
-        assert (
-            t.progress.expected.item() == 32 and count.expected.item() == 32
-        )  # the next step's expectation
+        # the next step's expectation
+        assert t.progress.expected.item() == 32 and count.expected.item() == 32
 
 
 @pytest.mark.tier
@@ -1615,9 +1611,8 @@ def test_each_local_process_gets_a_gpu_of_its_own_or_one_line_saying_why():
         2,
         3,
     ]  # more GPUs than processes
-    assert [choose(r, 8, 8, "slurm", None) for r in range(8)] == list(
-        range(8)
-    )  # srun --gpu-bind=none
+    # srun --gpu-bind=none
+    assert [choose(r, 8, 8, "slurm", None) for r in range(8)] == list(range(8))
     assert [choose(r, 8, 1, "slurm", "0") for r in range(8)] == [
         0
     ] * 8  # srun --gpus-per-task=1: its own
@@ -1627,9 +1622,10 @@ def test_each_local_process_gets_a_gpu_of_its_own_or_one_line_saying_why():
         choose(0, 2, 1, "torchrun", "0"),
         choose(0, 2, 1, "spawn", None),
     ):
+        # one GPU
         assert (
             isinstance(shared, str) and "LOCAL_RANK=" in shared and "LOCAL_WORLD_SIZE=2" in shared
-        )  # one GPU
+        )
     assert "sees 1 (CUDA_VISIBLE_DEVICES=0)" in choose(1, 2, 1, "torchrun", "0")
     beyond = choose(1, 1, 1, "env", None)  # LOCAL_RANK beyond the visible GPUs
     assert isinstance(beyond, str) and "LOCAL_RANK=1" in beyond and "<unset>" in beyond
@@ -1641,13 +1637,11 @@ def test_each_local_process_gets_a_gpu_of_its_own_or_one_line_saying_why():
 @pytest.mark.fast
 def test_threads_divide_only_what_the_processes_share():
     cpus = ddp_train.cpus_per_process
-    assert (
-        cpus(16, 8, "slurm", "16") == 16
-    )  # srun --ntasks-per-node=8 --cpus-per-task=16: its own 16
+    # srun --ntasks-per-node=8 --cpus-per-task=16: its own 16
+    assert cpus(16, 8, "slurm", "16") == 16
     assert cpus(128, 8, "slurm", "16") == 16  # the same without binding: at most what it was given
-    assert (
-        cpus(128, 8, "torchrun", None) == 16 and cpus(32, 8, "torchrun", "32") == 4
-    )  # torchrun's workers share
+    # torchrun's workers share
+    assert cpus(128, 8, "torchrun", None) == 16 and cpus(32, 8, "torchrun", "32") == 4
     assert cpus(128, 8, "slurm", None) == 16 and cpus(2, 4, "spawn", None) == 1
 
 
@@ -1691,9 +1685,8 @@ def test_checkpoints_load_onto_the_cpu_memory_mapped_for_gpus_and_read_for_the_c
     # A legacy file cannot be memory-mapped (torch.load raises): it is read, on a GPU run too.
     assert ddp_train.checkpoint_load_options("cuda", legacy)["mmap"] is False
     for path in (zipped, legacy):
-        loaded = torch.load(
-            path, **ddp_train.checkpoint_load_options("cuda", str(path))
-        )  # as a GPU run loads
+        # as a GPU run loads
+        loaded = torch.load(path, **ddp_train.checkpoint_load_options("cuda", str(path)))
         assert all(torch.equal(loaded[k], v) for k, v in weights.items())
     with pytest.raises(RuntimeError):  # negative control: what a GPU run did before
         torch.load(legacy, map_location="cpu", mmap=True, weights_only=True)
@@ -2087,9 +2080,8 @@ def test_sigterm_to_make_train_cpu_saves_a_checkpoint_that_takes_longer_than_tor
     # A big model on a slow disk: the preemption checkpoint takes 35 s, past torchrun's default 30 s.
     # The same run twice at once: as make train-cpu launches it (SHUTDOWN_TIMEOUT 120 s), and with
     # SHUTDOWN_TIMEOUT=30, which must lose the checkpoint (the test can tell a cut-off save).
-    venv = (
-        tmp_path / "venv"
-    )  # make's VENV, set up: this interpreter, and .ready newer than the Makefile
+    # make's VENV, set up: this interpreter, and .ready newer than the Makefile
+    venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(PY)} "$@"\n')
     (venv / "bin" / "python").chmod(0o755)
@@ -2138,16 +2130,14 @@ def test_sigterm_to_make_train_cpu_saves_a_checkpoint_that_takes_longer_than_tor
             launch.kill()
     saved, cut = runs["saved"], runs["cut"]
     took = time.time() - signalled
-    assert codes["saved"] == 2 and "Error 1" in saved.stderr, (
-        saved.stderr
-    )  # torchrun's 1 after SIGTERM
+    # torchrun's 1 after SIGTERM
+    assert codes["saved"] == 2 and "Error 1" in saved.stderr, saved.stderr
     m = re.search(r"stopped by a signal at step (\d+).*exit code 75", saved.stdout)
     assert m, saved.stdout + saved.stderr
     checkpoint = tmp_path / "saved" / "checkpoint.pt"
     assert torch.load(checkpoint, weights_only=True)["progress"]["step"] == int(m.group(1))
-    assert checkpoint.stat().st_mtime - signalled > 30 and took > 35, (
-        took
-    )  # the save really took 35 s
+    # the save really took 35 s
+    assert checkpoint.stat().st_mtime - signalled > 30 and took > 35, took
     # With torchrun's 30 s the workers were SIGKILLed mid-save: nothing saved, nothing said.
     assert codes["cut"] == 2, cut.stderr
     assert (
@@ -2556,9 +2546,8 @@ def test_a_lost_node_is_survived_with_the_same_global_batch(project, tmp_path, r
     b = elastic_agent(tmp_path, "b", port, False, *args, "--out-dir", out, script=script)
     try:
         trains_as_two(a, out)
-        kill_node(
-            b
-        )  # node b is gone, agent and all: a's worker loses its peer, a restarts it alone
+        # node b is gone, agent and all: a's worker loses its peer, a restarts it alone
+        kill_node(b)
         assert a.wait(180) == 0, a.stderr
     finally:
         for agent in (a, b):
@@ -2567,9 +2556,8 @@ def test_a_lost_node_is_survived_with_the_same_global_batch(project, tmp_path, r
     assert "saved by world size 2" in r.stdout and r.metrics[-1]["world_size"] == 1, r
     assert {m["effective_batch_size"] for m in r.metrics} == {64 if user else 32}
     two = reference(torchrun_cmd(2, *args, *(["--workers", 0] if user else []), script=script))
-    assert_same_run(
-        r.weights, two.weights
-    )  # the uninterrupted run at world size 2, to float rounding
+    # the uninterrupted run at world size 2, to float rounding
+    assert_same_run(r.weights, two.weights)
 
 
 def test_a_joining_node_is_welcomed_with_the_same_global_batch(project, tmp_path, reference):
@@ -2598,9 +2586,8 @@ def test_a_joining_node_is_welcomed_with_the_same_global_batch(project, tmp_path
     b = None
     try:
         a.wait_for(held.exists, "node a held alone at step 266")
-        b = elastic_agent(
-            tmp_path, "b", port, False, *ELASTIC, "--out-dir", out, script=script
-        )  # a stops, saves, and resumes with b
+        # a stops, saves, and resumes with b
+        b = elastic_agent(tmp_path, "b", port, False, *ELASTIC, "--out-dir", out, script=script)
         assert finish([a, b], 180) == [0, 0], a.stderr + b.stderr
     finally:
         for agent in filter(None, (a, b)):
@@ -2608,9 +2595,8 @@ def test_a_joining_node_is_welcomed_with_the_same_global_batch(project, tmp_path
     r = Result.of(a, out)
     assert "stopped by a signal at step 266:" in r.stdout and "saved by world size 1" in r.stdout, r
     assert [m["world_size"] for m in r.metrics] == [1, 2]
-    assert_same_run(
-        r.weights, reference(python_cmd(*ELASTIC, script=script)).weights
-    )  # at constant world size 1
+    # at constant world size 1
+    assert_same_run(r.weights, reference(python_cmd(*ELASTIC, script=script)).weights)
 
 
 def test_global_batch_gives_the_same_run_on_every_world_size_that_divides_it(tmp_path, reference):
@@ -2938,9 +2924,8 @@ def test_signal_before_the_time_limit_reaches_every_worker_through_torchrun_and_
             45,
             lambda: cluster.output(job),
         )
-        cluster.update(
-            job, TimeLimit=10
-        )  # the next allocation has the time to finish, as a real one would
+        # the next allocation has the time to finish, as a real one would
+        cluster.update(job, TimeLimit=10)
     finally:
         thaw(workers)
     # The workers save and exit 75, torchrun exits 1; model.pt is missing, so the script requeues the job,
@@ -3087,9 +3072,8 @@ def test_two_optimizers_with_parameter_groups_of_their_own_keep_two_ranks_with_a
     one = run(python_cmd(*TWO_OPTIMIZERS, "--batch-size", "64", script=script), tmp_path, out="one")
     r = run(two, tmp_path, out="two")
     assert_same_weights(r.weights, one.weights)
-    assert (
-        r.metrics[0]["grad_norm_max"] > 0.25 and r.metrics[-1]["effective_batch_size"] == 64
-    )  # it clipped
+    # it clipped
+    assert r.metrics[0]["grad_norm_max"] > 0.25 and r.metrics[-1]["effective_batch_size"] == 64
     for a, b in zip(r.metrics, one.metrics):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
         assert a["eval_accuracy"] == pytest.approx(b["eval_accuracy"], rel=1e-6)  # (float32 means)
@@ -3199,9 +3183,8 @@ def test_max_steps_evaluates_at_the_multiples_of_eval_every_across_epoch_ends_an
     lowest = min(m["eval_loss"] for m in r.metrics)
     assert eval_loss_of(r.out_dir / "best.pt", MAX_STEPS) == pytest.approx(lowest, rel=1e-6)
     final = eval_loss_of(r.out_dir / "model.pt", MAX_STEPS)
-    assert (
-        final == pytest.approx(r.metrics[-1]["eval_loss"], rel=1e-6) and final > lowest * 1.01
-    )  # not the best
+    # not the best
+    assert final == pytest.approx(r.metrics[-1]["eval_loss"], rel=1e-6) and final > lowest * 1.01
 
 
 def test_max_steps_with_keep_best_stopped_twice_around_the_best_resumes_to_bit_identical_model_and_best_pt(
@@ -3221,9 +3204,8 @@ def test_max_steps_with_keep_best_stopped_twice_around_the_best_resumes_to_bit_i
     # the next carries the best value on (no later evaluation beats it), across an epoch's end to --max-steps.
     first = run(cmd, tmp_path, env=clean_env(STOP_SIGNAL="TERM", STOP_AT=best - 1), expect=75)
     assert f"stopped by a signal at step {best - 1}:" in first.stdout, first
-    second = run(
-        cmd, tmp_path, env=clean_env(STOP_SIGNAL="TERM", STOP_AT=2), expect=75
-    )  # its own 2nd step
+    # its own 2nd step
+    second = run(cmd, tmp_path, env=clean_env(STOP_SIGNAL="TERM", STOP_AT=2), expect=75)
     assert (
         resumed_at(second.stdout)[1] == best - 1
         and f"stopped by a signal at step {best + 1}:" in second.stdout
@@ -3903,21 +3885,18 @@ def test_ema_0_9999_stays_within_one_step_of_the_init_from_weights_and_ema_0_5_f
         env=clean_env(**env),
     )
     before = torch.load(fast.out_dir / "checkpoint.prev.pt", weights_only=True)
-    assert (
-        before["progress"]["step"] == steps and int(before["ema"]["n_averaged"]) == steps
-    )  # one update a step
+    # one update a step
+    assert before["progress"]["step"] == steps and int(before["ema"]["n_averaged"]) == steps
     ema_before = {
         k.removeprefix("module."): v for k, v in before["ema"].items() if k.startswith("module.")
     }
     slow_ema, fast_ema = (
         torch.load(r.out_dir / "model_ema.pt", weights_only=True) for r in (slow, fast)
     )
-    assert (
-        slow_ema.keys() == slow.weights.keys()
-    )  # plain names: build_model() loads model_ema.pt as it is
-    assert_same_weights(
-        before["model"], slow.weights, exact=True
-    )  # the average never feeds back into training
+    # plain names: build_model() loads model_ema.pt as it is
+    assert slow_ema.keys() == slow.weights.keys()
+    # the average never feeds back into training
+    assert_same_weights(before["model"], slow.weights, exact=True)
     # 0.9999: the average starts at the weights after step 1 (torch's AveragedModel copies its first
     # update), one AdamW step from the start, at most lr an element (plus a weight decay of lr x 0.01 x w);
     # the later steps weigh 1 - 0.9999^steps < 0.2% together. The weights themselves travel far further.
@@ -4087,9 +4066,8 @@ def test_tensorboard_after_a_sigterm_a_hard_kill_and_reruns_shows_each_step_once
     project, tmp_path, reference
 ):
     expected = tensorboard_scalars(reference(python_cmd(*TB)).out_dir)
-    cmd = python_cmd(
-        *TB, script=str(project / "recipe_mlp.py")
-    )  # the default task, stopper.py's tripwire
+    # the default task, stopper.py's tripwire
+    cmd = python_cmd(*TB, script=str(project / "recipe_mlp.py"))
     # Stopped by SIGTERM at step 20 (its checkpoint); resumed, and killed at step 27, 6 progress records after
     # the last checkpoint (step 20 still: --save-every 10); resumed again, to the end.
     stopped = run(
@@ -4146,9 +4124,8 @@ def test_tensorboard_of_a_run_started_over_with_resume_never_shows_the_new_run_a
     for tag, values in shown.items():
         if tag.startswith("progress/"):
             assert [s for s, _ in values] == TB_STEPS, tag
-    assert (
-        shown["epoch/eval_loss"] != written["epoch/eval_loss"][:2]
-    )  # the old run's values are gone
+    # the old run's values are gone
+    assert shown["epoch/eval_loss"] != written["epoch/eval_loss"][:2]
 
 
 def test_tensorboard_without_the_package_is_one_line_saying_how_to_install_it_and_all_else_needs_only_torch(
@@ -4229,9 +4206,8 @@ def test_report_of_a_users_script_gets_every_record_once_on_rank_0_alone(tmp_pat
             "elapsed_s",
             "eta_s",
         } <= record.keys()
-        assert len(record["data_wait_by_rank"]) == len(record["compute_by_rank"]) == 2, (
-            record
-        )  # one share a rank
+        # one share a rank
+        assert len(record["data_wait_by_rank"]) == len(record["compute_by_rank"]) == 2, record
         assert all(
             0 <= share <= 1 for share in record["data_wait_by_rank"] + record["compute_by_rank"]
         ), record
@@ -4291,9 +4267,8 @@ def test_log_every_n_gives_rank_0_a_record_at_exactly_every_nth_step_with_the_ex
     step_samples = [order[(g - 1) // 32][(g - 1) % 32 * 32 :][:32] for g in range(1, 65)]
     last = 0
     for record in progress:
-        first = (
-            max(last, (record["step"] - 1) // 32 * 32) + 1
-        )  # after the last line, and in this epoch
+        # after the last line, and in this epoch
+        first = max(last, (record["step"] - 1) // 32 * 32) + 1
         samples = torch.cat(step_samples[first - 1 : record["step"]])
         assert record["train_loss"] == pytest.approx(losses[samples].mean().item(), rel=1e-6), (
             record,
@@ -4629,9 +4604,8 @@ def test_the_stall_report_names_the_stuck_rank_and_its_place(project, tmp_path, 
     assert report["ranks"][1 - stuck_rank][1].startswith(others), r
     assert report["ranks"][0][0] == report["ranks"][1][0], r  # the same last step
     dumps = [(job.out / "stall" / f"rank{rank}.txt").read_text() for rank in (0, 1)]
-    assert all(" in report_stall\n" in dump for dump in dumps), (
-        dumps
-    )  # every thread's stack, on each rank
+    # every thread's stack, on each rank
+    assert all(" in report_stall\n" in dump for dump in dumps), dumps
     assert re.search(dumped, dumps[stuck_rank]), dumps[stuck_rank]
     if case == "dataloader-worker":
         assert code != 0 and "hung past --timeout" in r.stderr, r
@@ -4676,9 +4650,8 @@ def wait_shares(stdout: str, does: str = "waits for data") -> list[tuple]:
     shares = [
         SHARES.search(line) for line in stdout.splitlines() if line.lstrip().startswith("epoch ")
     ]
-    assert all(shares) and all(m[2] in (None, does) for m in shares), (
-        stdout
-    )  # no line names the other figure
+    # no line names the other figure
+    assert all(shares) and all(m[2] in (None, does) for m in shares), stdout
     return [
         (int(m[1]), int(m[3]), int(m[4])) if m[2] else (None, int(m[5]), int(m[5])) for m in shares
     ]
@@ -4726,12 +4699,14 @@ def test_a_rank_with_slow_data_is_named_by_its_share_of_time_waiting_for_it(
 def test_a_rank_that_computes_slowly_is_named_by_its_share_of_time_computing(
     project, tmp_path, task
 ):
-    # Rank 1's compute_loss sleeps 30 ms after its model's forward in every training step. Its compute share
-    # must exceed rank 0's by the share of the epoch it slept (known here: steps x 30 ms): rank 0 waits for it in
-    # the gradient all-reduce, which is not compute. On digits (BatchNorm) and tinylm (tokens: a count all-reduce).
+    # Rank 1's compute_loss sleeps 100 ms after its model's forward in every training step. Its compute share
+    # must exceed rank 0's by the share of the epoch it slept (known here: steps x 100 ms): rank 0 waits for it
+    # in the gradient all-reduce, which is not compute. On digits (BatchNorm) and tinylm (tokens: a count
+    # all-reduce). (The sleep is most of the epoch, so that the ranks' own compute, which a busy machine makes
+    # unequal by a few hundredths of the epoch, stays well inside the bounds: with 30 ms it did not.)
     env = clean_env(
         SLOW_PROJECT=task,
-        SLOW_COMPUTE_MS=30,
+        SLOW_COMPUTE_MS=100,
         **({**LM_EXACT, "LM_TRAIN_SIZE": 640} if task == "lm" else {}),
     )
     r = run(
@@ -4754,13 +4729,12 @@ def test_a_rank_that_computes_slowly_is_named_by_its_share_of_time_computing(
         epoch["data_wait_by_rank"],
         epoch["epoch_time_s"],
     )
-    slept = epoch["step"] * 0.030 / seconds  # one micro-batch a step on each rank
+    slept = epoch["step"] * 0.100 / seconds  # one micro-batch a step on each rank
     assert 0.9 * slept <= compute[1] - compute[0] <= 1.5 * slept + 0.05, (slept, epoch)
     assert compute[0] > 0 and max(waits) < 0.2 and compute[1] + waits[1] <= 1.0, epoch
     shares = wait_shares(r.stdout, "computes")
-    assert len(shares) >= 2 and {rank for rank, _, _ in shares} == {1}, (
-        r.stdout
-    )  # every line names rank 1
+    # every line names rank 1
+    assert len(shares) >= 2 and {rank for rank, _, _ in shares} == {1}, r.stdout
     rank, share, median = shares[-1]  # the epoch's line: its record's figures
     assert abs(share - 100 * compute[1]) <= 1 and abs(median - 100 * compute[0]) <= 1, (
         shares,
@@ -4800,17 +4774,15 @@ def test_debug_turns_on_torchs_distributed_debugging_and_puts_the_other_ranks_ou
     assert (
         "rank 0: debug level OFF" in plain.stderr and "rank 1: debug level OFF" in plain.stderr
     ), plain
-    assert not (plain.out_dir / "debug").exists(), (
-        plain
-    )  # without --debug, every rank's output on the console
+    # without --debug, every rank's output on the console
+    assert not (plain.out_dir / "debug").exists(), plain
     r = run([*cmd, "--debug"], tmp_path, out="debug", env=env)
     # INFO on every backend (DETAIL made torch 2.13's CPU build crash while building DDP); yours, if you set one.
     assert "rank 0: debug level INFO" in r.stderr and "rank 1:" not in r.stderr, r
     assert sorted(p.name for p in (r.out_dir / "debug").iterdir()) == ["rank1.log"], r
     assert "rank 1: debug level INFO" in (r.out_dir / "debug" / "rank1.log").read_text(), r
-    assert "epoch   1/1" in r.stdout and r.stdout.count("saved ") == 1, (
-        r
-    )  # rank 0's console as ever
+    # rank 0's console as ever
+    assert "epoch   1/1" in r.stdout and r.stdout.count("saved ") == 1, r
     mine = run(
         [*cmd, "--debug"], tmp_path, out="mine", env=clean_env(TORCH_DISTRIBUTED_DEBUG="OFF")
     )
