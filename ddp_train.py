@@ -239,10 +239,15 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=args.amp == "fp16")
         self.progress = Progress()
         # Every stateful part, by name: what a checkpoint saves and restores. One more part, one more line.
+        # (the optimizers and the schedulers: lists, saved part by part)
         self.state = dict(
-            model=model, optimizers=self.optimizers, schedulers=self.schedulers, scaler=self.scaler
+            model=model,
+            optimizers=self.optimizers,
+            schedulers=self.schedulers,
+            scaler=self.scaler,
+            progress=self.progress,
+            rng=RankRNG(self),
         )
-        self.state.update(progress=self.progress, rng=RankRNG(self))  # (a list: each of its parts)
         if args.ema:  # the average of the weights (and buffers), after every step
             self.state["ema"] = AveragedModel(
                 model, multi_avg_fn=get_ema_multi_avg_fn(args.ema), use_buffers=True
@@ -1356,10 +1361,11 @@ def resume(t):
 def save_checkpoint(t):
     """All ranks: every stateful part's state (the RNG's gathers every rank's); rank 0 writes it atomically,
     keeping the one before as checkpoint.prev.pt; everyone waits for the write."""
+    # (the raw module: no prefixes)
     state = {
         name: [one.state_dict() for one in part] if isinstance(part, list) else part.state_dict()
         for name, part in t.state.items()
-    }  # (the raw module: no prefixes)
+    }
     check_finite(t.model, f"the weights after step {t.progress.step}", t.ctx)
     if t.ctx.rank == 0:
         state.update(
@@ -1490,9 +1496,8 @@ class StepCount:
         self.local += count
         if last and COUNT_UNIT != "samples":
             self.total = count_tensor(self.local, self.t.ctx.device)
-            self.work = self.t.ctx.world_size > 1 and dist.all_reduce(
-                self.total, async_op=True
-            )  # SUM
+            # SUM
+            self.work = self.t.ctx.world_size > 1 and dist.all_reduce(self.total, async_op=True)
 
     def finish(self):
         """After the step's backward: the gradients as if weighed against the step's own count."""
@@ -1647,14 +1652,7 @@ class Meter:
         self.last_norm = norms[-1] if norms else self.last_norm
         p.loss_sum, p.count = p.loss_sum + sum(losses), p.count + count
         self.losses, self.norms, self.count, self.computing = [], [], 0, []
-        # the batches' sample counts weighed the means
-        if COUNT_UNIT == "samples" and p.count != p.samples:
-            fail(
-                f'compute_loss counted {whole(p.count)} for {p.samples} samples, but COUNT_UNIT is "samples": '
-                "return the batch's sample count, or set COUNT_UNIT to what your count counts "
-                '(ddp_train.COUNT_UNIT = "tokens")',
-                ctx=t.ctx,
-            )
+        counts_samples(p.count, p.samples, t.ctx)  # the batches' sample counts weighed the means
 
     def record(self, kind):
         """The record of this progress line (since the last one) or epoch (since it began, resumed or not)."""
@@ -1910,13 +1908,7 @@ def warm_up(t):
                 "some steps, or set requires_grad=False on those you freeze",
                 ctx=ctx,
             )
-    if COUNT_UNIT == "samples" and float(count) != len(keys):
-        fail(
-            f'compute_loss counted {whole(float(count))} for {len(keys)} samples, but COUNT_UNIT is "samples": '
-            "return the batch's sample count, or set COUNT_UNIT to what your count counts (ddp_train.COUNT_UNIT = "
-            '"tokens")',
-            ctx=ctx,
-        )
+    counts_samples(float(count), len(keys), ctx)
     # tokens: the first step's guess of its count, which keeps fp16 in range
     if not t.progress.step:
         t.progress.expected = max(float(count), 1.0) * t.global_batch / len(keys)
@@ -2064,6 +2056,18 @@ def call_compute_loss(model, batch, ctx):
         + (f" with a loss of shape {shape}: take the mean over the batch" if shape else ""),
         ctx=ctx,
     )
+
+
+def counts_samples(counted, samples, ctx):
+    """COUNT_UNIT "samples": compute_loss's counts must add up to the samples it was given (the warm-up's batch,
+    and at every fold the epoch's), or one line."""
+    if COUNT_UNIT == "samples" and counted != samples:
+        fail(
+            f'compute_loss counted {whole(counted)} for {samples} samples, but COUNT_UNIT is "samples": '
+            "return the batch's sample count, or set COUNT_UNIT to what your count counts (ddp_train.COUNT_UNIT = "
+            '"tokens")',
+            ctx=ctx,
+        )
 
 
 class Parser(argparse.ArgumentParser):
