@@ -51,9 +51,9 @@ TARGETS = {
     ("ddp_2", "tutorial_2"): 1.10,  # from the issue on simpler machinery
     ("digits_1", "digits_hand_1"): 0.95,
     ("digits_torch_1", "digits_torch_hand_1"): 0.95,
-    ("lm_1", "lm_hand_1"): 0.95,
+    ("lm_1", "lm_hand_1"): 0.95,  # and from the language-model issue
     ("lm_2", "lm_hand_2"): 1.0,
-}  # and from the language-model issue
+}
 
 
 # ---------------------------------------------------------------------------
@@ -65,12 +65,13 @@ def record(path, epoch, samples, seconds, first_step_at, device, tokens=None):
     """One metrics line, with the same memory figures ddp_train.py writes."""
     import torch
 
+    # as ddp_train.py: KiB
     rec = {
         "epoch": epoch,
         "samples_per_sec": samples / seconds,
         "first_step_at": first_step_at,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }  # as ddp_train.py: KiB
+    }
     if device.type == "cuda":
         rec["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     if tokens is not None:
@@ -432,41 +433,16 @@ def gpu_modes(opts) -> int:
     ]
     ddp_train = str(HERE / "ddp_train.py")
     two = "" if gpus >= 2 else "needs 2 GPUs: SyncBatchNorm syncs nothing in one process"
+    uneven_run = [*torchrun, ddp_train, "--epochs", "2", "--num-samples", uneven]
+    sync_bn = [*uneven_run, "--batch-norm", "--sync-bn"]
     modes = [
         ("1 GPU", [sys.executable, ddp_train, *short], ""),
         (f"torchrun, {gpus} GPU(s)", [*torchrun, ddp_train, *short], ""),
         ("--amp bf16", [*torchrun, ddp_train, *short, "--amp", "bf16"], ""),
         ("--amp fp16", [*torchrun, ddp_train, *short, "--amp", "fp16"], ""),
         ("--compile", [*torchrun, ddp_train, *short, "--compile"], ""),
-        (
-            "--sync-bn, uneven last step",
-            [
-                *torchrun,
-                ddp_train,
-                "--epochs",
-                "2",
-                "--num-samples",
-                uneven,
-                "--batch-norm",
-                "--sync-bn",
-            ],
-            two,
-        ),
-        (
-            "--sync-bn --compile",
-            [
-                *torchrun,
-                ddp_train,
-                "--epochs",
-                "2",
-                "--num-samples",
-                uneven,
-                "--batch-norm",
-                "--sync-bn",
-                "--compile",
-            ],
-            two,
-        ),
+        ("--sync-bn, uneven last step", sync_bn, two),
+        ("--sync-bn --compile", [*sync_bn, "--compile"], two),
         ("--grad-accum 2", [*torchrun, ddp_train, *short, "--grad-accum", "2"], ""),
         (
             "digits, --workers 2",

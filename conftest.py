@@ -1736,6 +1736,7 @@ class SlurmCluster:
                 "/bin",
             ]
         )
+        # as clean_env()
         self.env = {
             "PATH": path,
             "SLURM_CONF": str(self.conf),
@@ -1743,11 +1744,10 @@ class SlurmCluster:
             "LANG": "C.UTF-8",
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
-        }  # as clean_env()
+        }
         self.namespaces = []
-        if (
-            nodes == 1
-        ):  # named after this host, so that the names jobs get (SLURM_JOB_NODELIST...) resolve
+        if nodes == 1:
+            # named after this host, so that the names jobs get (SLURM_JOB_NODELIST...) resolve
             self.nodes, self.addrs = [socket.gethostname().split(".")[0]], ["127.0.0.1"]
         else:  # a subnet only the namespaces see (the project's own are 10.231.*)
             assert nodes == 2, "a veth pair joins two namespaces; more nodes would need a bridge"

@@ -1317,9 +1317,8 @@ def test_flops_per_sample_are_counted_exactly_for_an_mlp_a_cnn_and_a_language_mo
     )
     tinylm.TRAIN_SIZE, tinylm.EVAL_SIZE = 32, 0
     train_set, _ = tinylm.build_datasets(default_args())
-    T = tinylm.collate_fn([train_set[i] for i in range(16)])["inputs"].shape[
-        1
-    ]  # the first batch's padded length
+    # the first batch's padded length
+    T = tinylm.collate_fn([train_set[i] for i in range(16)])["inputs"].shape[1]
     model = tinylm.build_model(default_args())
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert (
@@ -1432,9 +1431,8 @@ def test_sync_bn_on_cpu_says_it_needs_cuda(tmp_path):
         pytest.skip("CUDA is present: SyncBatchNorm works")
     r = run(torchrun_cmd(2, *SMALL, "--batch-norm", "--sync-bn"), tmp_path, expect=None)
     assert r.returncode != 0
-    errors = [
-        line for line in r.stderr.splitlines() if line.startswith("ddp_train.py: error:")
-    ]  # not the summary's
+    # not the summary's
+    errors = [line for line in r.stderr.splitlines() if line.startswith("ddp_train.py: error:")]
     assert len(errors) == 1 and errors[0].startswith("ddp_train.py: error: --sync-bn needs CUDA"), r
 
 
@@ -1605,12 +1603,13 @@ def test_micro_batches_are_balanced_and_never_hold_one_sample_when_more_fit():
 @pytest.mark.fast
 def test_each_local_process_gets_a_gpu_of_its_own_or_one_line_saying_why():
     choose = ddp_train.choose_gpu
+    # more GPUs than processes
     assert [choose(r, 4, 8, "torchrun", None) for r in range(4)] == [
         0,
         1,
         2,
         3,
-    ]  # more GPUs than processes
+    ]
     # srun --gpu-bind=none
     assert [choose(r, 8, 8, "slurm", None) for r in range(8)] == list(range(8))
     assert [choose(r, 8, 1, "slurm", "0") for r in range(8)] == [
@@ -3174,11 +3173,12 @@ def test_max_steps_evaluates_at_the_multiples_of_eval_every_across_epoch_ends_an
         ("epoch", 50, 3),
     ]
     assert all(m["eval_samples"] == 64 and m["eval_loss"] > 0 for m in r.metrics)
+    # the last: 10 steps
     assert [m["train_samples"] for m in r.metrics if m["kind"] == "epoch"] == [
         640,
         640,
         320,
-    ]  # the last: 10 steps
+    ]
     assert "model.pt: 2 epoch(s), 50 steps" in r.stdout, r
     lowest = min(m["eval_loss"] for m in r.metrics)
     assert eval_loss_of(r.out_dir / "best.pt", MAX_STEPS) == pytest.approx(lowest, rel=1e-6)
@@ -3194,9 +3194,8 @@ def test_max_steps_with_keep_best_stopped_twice_around_the_best_resumes_to_bit_i
     whole = reference(cmd)
     steps = [m["step"] for m in whole.metrics]
     i = min(range(len(steps)), key=lambda i: whole.metrics[i]["eval_loss"])
-    best = steps[
-        i
-    ]  # the best evaluation is neither the first nor the last, with a step free on either side
+    # the best evaluation is neither the first nor the last, with a step free on either side
+    best = steps[i]
     assert 0 < i < len(steps) - 1 and steps[i - 1] < best - 1 and steps[i + 1] > best + 1, (
         whole.metrics
     )
@@ -3432,9 +3431,8 @@ def test_the_lesson_reads_like_the_tutorial_within_its_token_budget_and_every_fi
 
     size = bench_ddp_train.code_tokens()
     assert size["total"] <= TOKEN_BUDGET and size["lesson"] <= LESSON_BUDGET, size
-    assert len(size["names"]) <= LESSON_NAMES, size[
-        "names"
-    ]  # of the machinery's: the rest is torch's, or yours
+    # of the machinery's: the rest is torch's, or yours
+    assert len(size["names"]) <= LESSON_NAMES, size["names"]
     source = (ROOT / "ddp_train.py").read_text()
     lesson = source[: source.index("THE LESSON ENDS HERE")]
     for call in (
@@ -3993,9 +3991,8 @@ def test_an_epoch_resumed_mid_way_records_the_largest_gradient_norm_of_all_its_s
     assert [(a["step"], a["train_loss"]) for a, _ in epochs] == [
         (b["step"], b["train_loss"]) for _, b in epochs
     ]
-    assert [a["grad_norm_max"] for a, _ in epochs] == [
-        b["grad_norm_max"] for _, b in epochs
-    ]  # measured: 2.17 != 8.81
+    # measured: 2.17 != 8.81
+    assert [a["grad_norm_max"] for a, _ in epochs] == [b["grad_norm_max"] for _, b in epochs]
 
 
 # ------ --tensorboard: every record as KIND/NAME at its step, each step once after a resume -------------
@@ -4052,9 +4049,8 @@ def test_tensorboard_holds_every_record_as_kind_slash_name_at_its_step(tmp_path,
     factor = [0.5 * (1 + math.cos(math.pi * (s - 1) / 64)) for s in TB_STEPS]
     assert [v for _, v in progress["lr"]] == pytest.approx([1e-3 * f for f in factor], rel=1e-6)
     assert all(v > 0 for _, v in progress["samples_per_sec"])
-    sizes = [
-        min(32, 1000 - 32 * ((s - 1) % 32)) for s in TB_STEPS
-    ]  # each epoch's last step: 8 samples
+    # each epoch's last step: 8 samples
+    sizes = [min(32, 1000 - 32 * ((s - 1) % 32)) for s in TB_STEPS]
     for epoch, m in enumerate(m for m in r.metrics if m["kind"] == "epoch"):
         mine = slice(32 * epoch, 32 * (epoch + 1))
         assert max(v for _, v in progress["grad_norm"][mine]) == f32(m["grad_norm_max"])
@@ -4111,12 +4107,13 @@ def test_tensorboard_of_a_run_started_over_with_resume_never_shows_the_new_run_a
     new = run(python_cmd(*TB, "--seed", 1, "--resume", "never"), tmp_path)
     assert "resumed" not in new.stdout
     written = tensorboard_scalars(new.out_dir, purge=False)
+    # both runs' events are on disk
     assert [s for s, _ in written["epoch/eval_loss"]] == [
         32,
         64,
         32,
         64,
-    ]  # both runs' events are on disk
+    ]
     shown = tensorboard_scalars(new.out_dir)
     assert {t: v for t, v in shown.items() if not t.startswith("progress/")} == records_as_scalars(
         new.metrics
@@ -4172,9 +4169,8 @@ def test_report_of_a_users_script_gets_every_record_once_on_rank_0_alone(tmp_pat
         tmp_path,
         env=clean_env(PYTHONPATH=ROOT, REPORT_TO=tmp_path / "report"),
     )
-    assert sorted(p.name for p in tmp_path.glob("report.*")) == [
-        "report.0"
-    ]  # rank 1 never called it
+    # rank 1 never called it
+    assert sorted(p.name for p in tmp_path.glob("report.*")) == ["report.0"]
     records = [json.loads(line) for line in (tmp_path / "report.0").read_text().splitlines()]
     assert len({record.pop("pid") for record in records}) == 1
     assert all(
@@ -4246,9 +4242,8 @@ def test_log_every_n_gives_rank_0_a_record_at_exactly_every_nth_step_with_the_ex
         tmp_path,
         env=clean_env(PYTHONPATH=ROOT, REPORT_TO=tmp_path / "report"),
     )
-    assert sorted(p.name for p in tmp_path.glob("report.*")) == [
-        "report.0"
-    ]  # rank 1 never called it
+    # rank 1 never called it
+    assert sorted(p.name for p in tmp_path.glob("report.*")) == ["report.0"]
     records = [json.loads(line) for line in (tmp_path / "report.0").read_text().splitlines()]
     progress = [record for record in records if record["kind"] == "progress"]
     assert [record["step"] for record in progress] == list(range(6, 61, 6)), progress
@@ -4644,6 +4639,14 @@ SHARES = re.compile(
 )
 
 
+def timed_epoch(script: Path, tmp_path, env, *workers) -> Result:
+    """torchrun 2: one epoch of `script` (a slow rank's project) in micro-batches of 16, a progress line
+    every 0.3 s; --workers as given."""
+    workers = ["--workers", *workers] if workers else []
+    args = ["--epochs", 1, "--batch-size", 16, "--log-seconds", 0.3, *workers]
+    return run(torchrun_cmd(2, *args, script=str(script)), tmp_path, env=env)
+
+
 def wait_shares(stdout: str, does: str = "waits for data") -> list[tuple]:
     """(rank named or None, its share, the median share) in %, of each progress line and epoch line; a rank is
     named for what it `does` (or None, with the data wait's median)."""
@@ -4663,22 +4666,7 @@ def test_a_rank_with_slow_data_is_named_by_its_share_of_time_waiting_for_it(
 ):
     # Rank 1's Dataset takes 3 ms a sample (slow.py reads RANK, which DataLoader workers inherit), rank 0's
     # none: rank 1 waits for its batches (with 2 workers, less), rank 0 for rank 1, in the all-reduce.
-    r = run(
-        torchrun_cmd(
-            2,
-            "--epochs",
-            1,
-            "--batch-size",
-            16,
-            "--log-seconds",
-            0.3,
-            "--workers",
-            workers,
-            script=str(project / "slow.py"),
-        ),
-        tmp_path,
-        env=clean_env(SLOW_RANKS=1, SLOW_MS=3),
-    )
+    r = timed_epoch(project / "slow.py", tmp_path, clean_env(SLOW_RANKS=1, SLOW_MS=3), workers)
     [epoch] = r.metrics
     waits = epoch["data_wait_by_rank"]
     assert len(waits) == 2 and waits[1] > 0.4 and waits[0] < waits[1] / 3, epoch
@@ -4709,20 +4697,7 @@ def test_a_rank_that_computes_slowly_is_named_by_its_share_of_time_computing(
         SLOW_COMPUTE_MS=100,
         **({**LM_EXACT, "LM_TRAIN_SIZE": 640} if task == "lm" else {}),
     )
-    r = run(
-        torchrun_cmd(
-            2,
-            "--epochs",
-            1,
-            "--batch-size",
-            16,
-            "--log-seconds",
-            0.3,
-            script=str(project / "slow_compute.py"),
-        ),
-        tmp_path,
-        env=env,
-    )
+    r = timed_epoch(project / "slow_compute.py", tmp_path, env)
     [epoch] = r.metrics
     compute, waits, seconds = (
         epoch["compute_by_rank"],
@@ -4743,22 +4718,7 @@ def test_a_rank_that_computes_slowly_is_named_by_its_share_of_time_computing(
 
 
 def test_data_wait_shares_are_shares_of_the_time_at_most_100_percent(project, tmp_path):
-    r = run(
-        torchrun_cmd(
-            2,
-            "--epochs",
-            1,
-            "--batch-size",
-            16,
-            "--log-seconds",
-            0.3,
-            "--workers",
-            2,
-            script=str(project / "slow.py"),
-        ),
-        tmp_path,
-        env=clean_env(SLOW_RANKS=1, SLOW_MS=3),
-    )
+    r = timed_epoch(project / "slow.py", tmp_path, clean_env(SLOW_RANKS=1, SLOW_MS=3), 2)
     shares = wait_shares(r.stdout)
     assert len(shares) >= 2 and all(share <= 100 for _, share, _ in shares), r.stdout
     assert all(0 <= share <= 1 for share in r.metrics[0]["data_wait_by_rank"]), r.metrics
