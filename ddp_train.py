@@ -940,8 +940,7 @@ class Agreement:
         stop = bool(flags[0] > 0)
         log_now = bool(flags[1] > 0 or args.log_every and step % args.log_every == 0)
         save_now = bool(flags[2] > 0 or args.save_every and step % args.save_every == 0)
-        self.logged_at = now if log_now else self.logged_at
-        self.saved_at = now if save_now or stop else self.saved_at
+        # (--log-seconds and --save-minutes count from the record and the checkpoint: Meter, save_checkpoint)
         return stop, log_now, save_now
 
     def stopped(self):
@@ -1060,18 +1059,14 @@ class SeededSamples(Dataset):
             return [tensor[rows] for tensor in data.tensors]
         # Trap: loaded here (no workers), the seeding must not reach the training process's own generators
         # (dropout; a mixup's random.random() in compute_loss): all of them are put back as they were.
-        here = torch.utils.data.get_worker_info() is None
-        kept = rng_state("cpu") if here else None
+        kept = torch.utils.data.get_worker_info() is None and rng_state("cpu")
         items = []
         for index in indices:  # the hot loop: a few us per sample, on top of the Dataset's own
-            s = first + index  # consecutive seeds are fine: each generator mixes its own
-            # Not torch.manual_seed: 100x slower, it visits every device.
-            torch.default_generator.manual_seed(s)
-            random.seed(s)
-            if numpy:
-                numpy.random.seed(s % 2**32)
+            # Consecutive seeds are fine: each generator mixes its own. The CPU's torch generator alone: a
+            # Dataset draws there (torch.manual_seed, which visits every device, is 100x slower).
+            seed_everything(first + index, torch.default_generator)
             items.append(data[index])
-        if here:
+        if kept:
             set_rng_state(kept, "cpu")
         try:
             # yours, assigned on this module, looked up now: in workers too
@@ -1155,9 +1150,9 @@ def split(indices, most):
     return [indices[size * i // n : size * (i + 1) // n] for i in range(n)]
 
 
-def seed_everything(seed):
-    """Seed torch (every device), Python's random and numpy."""
-    torch.manual_seed(seed)
+def seed_everything(seed, torch_generators=torch):
+    """Seed torch (every device, or the one generator given), Python's random and numpy."""
+    torch_generators.manual_seed(seed)
     random.seed(seed)
     if numpy:
         numpy.random.seed(seed % 2**32)
@@ -1234,7 +1229,8 @@ class Progress:
     expected: float = 0.0
 
     def step_done(self, samples):
-        self.step, self.step_in_epoch = self.step + 1, self.step_in_epoch + 1
+        self.step += 1
+        self.step_in_epoch += 1
         self.samples += samples
 
     def next_epoch(self):  # the epoch's own fields back to their defaults
@@ -1549,17 +1545,17 @@ class Meter:
     def __init__(self, t):
         self.t, self.cuda = t, t.ctx.device.type == "cuda"
         self.started = time.perf_counter(), t.progress.step  # for the ETA: this run's pace
-        self.losses, self.norms, self.computing, self.loss, self.count = [], [], [], 0, 0
-        self.waited = self.computed = 0.0  # this rank's seconds, since the start
+        self.losses, self.norms, self.computing = [], [], []
+        self.loss = self.count = self.waited = self.computed = (
+            0  # (seconds: this rank's, since the start)
+        )
         self.timing = [0.0] * 2 * t.ctx.world_size  # every rank's, as of the last fold
         self.forward_at = self.flops = self.first_step_at = self.last_norm = self.writer = None
         # the next step's lr (also for an epoch resumed at its end, which runs no step before its record)
         self.lr = t.optimizers[0].param_groups[0]["lr"]
+        hook = self.forward_starts
         # Under --compile a graph break: dynamo would trace the CUDA event into its graph.
-        hook = (
-            torch.compiler.disable(self.forward_starts) if t.args.compile else self.forward_starts
-        )
-        t.model.register_forward_pre_hook(hook)
+        t.model.register_forward_pre_hook(torch.compiler.disable(hook) if t.args.compile else hook)
         if t.ctx.rank == 0:
             os.makedirs(t.args.out_dir, exist_ok=True)
             with open(f"{t.args.out_dir}/metrics.jsonl", "a+") as f:
@@ -1599,7 +1595,8 @@ class Meter:
 
     def add(self, loss, count):
         """One micro-batch's mean loss and its count."""
-        self.loss, self.count = self.loss + loss.detach() * count, self.count + count
+        self.loss += loss.detach() * count
+        self.count += count
         # this rank's compute: from its model's forward to the end of compute_loss
         if self.forward_at:
             self.computing.append((self.forward_at, self.stamp()))
@@ -1619,15 +1616,15 @@ class Meter:
     def sums(self):
         """This rank's since the last fold, on the CPU: every step's loss sum, the count, and its seconds of
         waiting for data and of compute in its own slots of every rank's (a CUDA sync: a fold's place)."""
-        rank, world = self.t.ctx.rank, self.t.ctx.world_size
+        ctx = self.t.ctx
         if self.cuda:
             torch.cuda.synchronize()  # the compute events, read now (the sums wait for the GPU anyway)
         self.computed += sum(
             a.elapsed_time(b) / 1000 if self.cuda else b - a for a, b in self.computing
         )
-        timing = torch.zeros(2, world, dtype=torch.float64)
-        timing[:, rank] = torch.tensor([self.waited, self.computed])
-        sums = [count_tensor(value, self.t.ctx.device) for value in [*self.losses, self.count]]
+        timing = torch.zeros(2, ctx.world_size, dtype=torch.float64)
+        timing[:, ctx.rank] = torch.tensor([self.waited, self.computed])
+        sums = [count_tensor(value, ctx.device) for value in [*self.losses, self.count]]
         return torch.cat([torch.stack(sums).cpu(), timing.flatten()])
 
     def fold(self, sums):
@@ -1650,8 +1647,9 @@ class Meter:
             p.max_norm = max(finite + [p.max_norm or 0.0])
         p.skipped += len(norms) - len(finite)
         self.last_norm = norms[-1] if norms else self.last_norm
-        p.loss_sum, p.count = p.loss_sum + sum(losses), p.count + count
-        self.losses, self.norms, self.count, self.computing = [], [], 0, []
+        p.loss_sum += sum(losses)
+        p.count += count
+        self.losses, self.norms, self.computing, self.count = [], [], [], 0
         counts_samples(p.count, p.samples, t.ctx)  # the batches' sample counts weighed the means
 
     def record(self, kind):
@@ -1679,6 +1677,8 @@ class Meter:
             record["tflops_per_process"] = record["samples_per_sec"] * self.flops / world / 1e12
             if t.args.peak_tflops:
                 record["mfu"] = record["tflops_per_process"] / t.args.peak_tflops
+        # a line is a sign of life: --log-seconds counts from here
+        t.agreement.logged_at = time.monotonic()
         if kind == "progress":
             eta = (now - self.started[0]) / (p.step - self.started[1]) * (t.total_steps - p.step)
             return record | {
@@ -1686,8 +1686,6 @@ class Meter:
                 "elapsed_s": time.monotonic() - STARTED,
                 "eta_s": eta,
             }
-        # the epoch's line is a sign of life: --log-seconds counts from here
-        t.agreement.logged_at = time.monotonic()
         record |= {
             "eval_loss": None,
             "eval_samples": 0,
