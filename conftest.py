@@ -1477,6 +1477,18 @@ ddp_train.build_scheduler, ddp_train.report = build_scheduler, report
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
 """,
+    # onecycle.py's OneCycleLR and report() on digits.py (its augmenting Dataset, BatchNorm, Dropout) with stopper.py's
+    # tripwire (STOP_AT, STOP_SIGNAL...).
+    "onecycle_digits.py": """
+import sys
+import ddp_train
+import onecycle  # its build_scheduler and report() (and the default task, which digits replaces below)
+import stopper  # digits, with the tripwire
+
+ddp_train.build_datasets, ddp_train.build_model = stopper.digits.build_datasets, stopper.build_model
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+""",
     # Every rank says on stderr, once, the debug level torch.distributed runs at.
     "stall_debug.py": """
 import os

@@ -3679,12 +3679,17 @@ from conftest import shared  # noqa: E402
 
 # Scripts of a user's, written into a test's tmp_path; ddp_train comes from PYTHONPATH=ROOT.
 RECIPE_SCRIPTS = {
-    # report() of a user's: every record it gets, as a JSON line (with the process id), into REPORT_TO.RANK.
+    # report() of a user's: every record it gets, as a JSON line (with the process id), into REPORT_TO.RANK. On the
+    # default task, or on the project REPORT_PROJECT names (lm: tinylm; with the project on PYTHONPATH).
     "reporter.py": """
+import importlib
 import json
 import os
 import sys
 import ddp_train
+
+if os.environ.get("REPORT_PROJECT"):
+    importlib.import_module(os.environ["REPORT_PROJECT"])
 
 
 def report(record):
@@ -4277,6 +4282,69 @@ def test_log_every_n_gives_rank_0_a_record_at_exactly_every_nth_step_with_the_ex
     )
 
 
+def test_lm_log_every_n_gives_rank_0_a_record_at_exactly_every_nth_step_with_the_exact_token_mean_since_the_last(
+    project, tmp_path, tinylm
+):
+    # tinylm on 90 functions of unequal lengths, no dropout, torchrun 2 x 2 samples x 2 micro-batches: a global batch
+    # of 8, 12 steps an epoch (the last of 2 samples, one a rank), 24 in all; --log-every 5, the clock off. --lr 0
+    # keeps the weights at w0, so each record's train_loss is known in advance: the mean at w0 over every real target
+    # token (the padding is ignore_index) of the samples of the steps since the last line (a progress line, or the
+    # epoch's start).
+    tinylm.TRAIN_SIZE, tinylm.EVAL_SIZE, tinylm.DROPOUT = 90, 8, 0.0
+    torch.manual_seed(5)
+    model = tinylm.build_model(default_args())
+    torch.save(model.state_dict(), tmp_path / "init.pt")
+    script = recipe_script(tmp_path, "reporter.py")
+    args = ["--epochs", 2, "--batch-size", 2, "--grad-accum", 2, "--lr", 0]
+    args += ["--log-every", 5, "--log-seconds", 0, "--init-from", tmp_path / "init.pt"]
+    env = {**LM_EXACT, "LM_TRAIN_SIZE": 90, "REPORT_PROJECT": "lm", "PYTHONPATH": project}
+    r = run(
+        torchrun_cmd(2, *args, script=script),
+        tmp_path,
+        env=clean_env(REPORT_TO=tmp_path / "report", **env),
+    )
+    # rank 1 never called it
+    assert sorted(p.name for p in tmp_path.glob("report.*")) == ["report.0"]
+    records = [json.loads(line) for line in (tmp_path / "report.0").read_text().splitlines()]
+    progress = [record for record in records if record["kind"] == "progress"]
+    assert [record["step"] for record in progress] == [5, 10, 15, 20], progress
+    shown = [int(line[2].replace(",", "")) for line in PROGRESS.findall(r.stdout)]
+    assert shown == [5, 10, 15, 20], r.stdout  # one console line each
+    # Every sample's loss summed over its real target tokens, and their count, at w0 in float64.
+    train_set, _ = tinylm.build_datasets(default_args())
+    batch = tinylm.collate_fn([train_set[i] for i in range(90)])
+    with torch.no_grad():
+        logits = model.double()(batch["inputs"])
+        token_losses = F.cross_entropy(
+            logits.transpose(1, 2), batch["targets"], ignore_index=-100, reduction="none"
+        )
+    loss_sums, tokens = token_losses.sum(1), (batch["targets"] != -100).sum(1)
+    # Step g's samples, independently: DistributedSampler deals out each epoch's shuffle (seeded by --seed + epoch)
+    # round-robin, and step s of the epoch trains its [s, s + 1) x 8 stretch.
+    order = [
+        torch.randperm(90, generator=torch.Generator().manual_seed(epoch)) for epoch in range(2)
+    ]
+    step_samples = [order[(g - 1) // 12][(g - 1) % 12 * 8 :][:8] for g in range(1, 25)]
+    last = 0
+    for record in progress:
+        # after the last line, and in this epoch
+        first = max(last, (record["step"] - 1) // 12 * 12) + 1
+        samples = torch.cat(step_samples[first - 1 : record["step"]])
+        want = (loss_sums[samples].sum() / tokens[samples].sum()).item()
+        assert record["train_loss"] == pytest.approx(want, rel=1e-6), (record, first)
+        # not the mean of the samples' own token means (a short function's tokens would weigh more)
+        assert record["train_loss"] != pytest.approx(
+            (loss_sums[samples] / tokens[samples]).mean().item(), rel=1e-4
+        )
+        assert record["lr"] == 0 and record["tokens_per_sec"] > 0
+        last = record["step"]
+    # The epochs' records: every real token of every sample once, at w0.
+    assert [m["train_tokens"] for m in r.metrics] == [int(tokens.sum())] * 2
+    assert [m["train_loss"] for m in r.metrics] == pytest.approx(
+        [(loss_sums.sum() / tokens.sum()).item()] * 2, rel=1e-6
+    )
+
+
 def test_a_users_one_cycle_lr_gets_every_step_and_resumes_bit_identical(project, tmp_path):
     # torch's OneCycleLR from build_scheduler (onecycle.py) over 2 x 16 steps: every step's record carries the lr
     # that OneCycleLR gave that step, computed here by torch on an optimizer of our own. Stopped by SIGTERM
@@ -4351,6 +4419,66 @@ def test_a_users_one_cycle_lr_gets_every_step_and_resumes_bit_identical(project,
             b["step"],
             b["train_loss"],
             b.get("eval_loss"),
+        )
+
+
+def test_a_users_one_cycle_lr_on_digits_with_augmentation_dropout_and_workers_gets_every_step_and_resumes_bit_identical(
+    project, tmp_path
+):
+    # onecycle_digits.py: digits.py's own Dataset (random augmentation with torch, Python's random and numpy), its CNN
+    # (BatchNorm, Dropout), 2 DataLoader workers, and torch's OneCycleLR from build_scheduler. 1437 samples at 64:
+    # 23 steps an epoch (the last of 29 samples), 46 in all. Every step's record carries the lr that OneCycleLR gave
+    # that step, computed here by torch on an optimizer of our own. Stopped by SIGTERM to the whole process group
+    # (workers too) mid-epoch 2 and rerun: the lrs after the stop and the final weights are the uninterrupted run's.
+    args = ["--epochs", 2, "--batch-size", 64, "--workers", 2, "--lr", 0.01]
+    args += ["--log-every", 1, "--log-seconds", 0]
+    script = str(project / "onecycle_digits.py")
+    whole = run(
+        python_cmd(*args, script=script),
+        tmp_path,
+        out="whole",
+        env=clean_env(REPORT_TO=tmp_path / "whole.jsonl"),
+    )
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=46)
+    want = []
+    for _ in range(46):
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        schedule.step()
+
+    def lrs(name):
+        records = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+        return {record["step"]: record["lr"] for record in records if record["kind"] == "progress"}
+
+    assert lrs("whole.jsonl") == dict(enumerate(want, 1))  # exactly: JSON keeps a float's every bit
+    first = run(
+        python_cmd(*args, script=script),
+        tmp_path,
+        env=clean_env(
+            REPORT_TO=tmp_path / "first.jsonl", STOP_SIGNAL="TERM", STOP_TARGET="group", STOP_AT=30
+        ),
+        expect=75,
+    )
+    stopped = int(re.search(r"stopped by a signal at step (\d+)", first.stdout).group(1))
+    assert 30 <= stopped < 46, first
+    assert "Traceback" not in first.stderr and "DataLoader worker" not in first.stderr, first
+    final = run(
+        python_cmd(*args, script=script),
+        tmp_path,
+        env=clean_env(REPORT_TO=tmp_path / "final.jsonl"),
+    )
+    assert resumed_at(final.stdout) == (stopped - 23, stopped), final  # mid-epoch 2
+    assert lrs("final.jsonl") == {step: want[step - 1] for step in range(stopped + 1, 47)}
+    assert_same_weights(final.weights, whole.weights, exact=True)
+    assert [m["epoch"] for m in final.metrics] == [1, 2]
+    for a, b in zip(final.metrics, whole.metrics):
+        assert a["train_samples"] == 1437
+        assert (a["step"], a["train_loss"], a["eval_loss"], a["eval_accuracy"]) == (
+            b["step"],
+            b["train_loss"],
+            b["eval_loss"],
+            b["eval_accuracy"],
         )
 
 
