@@ -1817,8 +1817,9 @@ def check_the_run(t):
                 ctx=ctx,
             )
     n = len(t.train_set)
-    trains, evals = zip(*everyone((n, len(t.eval_set or ())), ctx))
-    if len(set(trains)) > 1 or len(set(evals)) > 1:
+    sizes = everyone((n, len(t.eval_set or ())), ctx)
+    if len(set(sizes)) > 1:
+        trains, evals = zip(*sizes)
         fail(
             f"the ranks built different datasets ({min(trains)} to {max(trains)} training samples, {min(evals)} to "
             f"{max(evals)} evaluation samples): build_datasets must give every rank the same data (split with a "
@@ -1849,21 +1850,19 @@ def check_the_run(t):
     # Trap: BatchNorm cannot train on one sample ("Expected more than 1 value per channel"), and the last step
     # of an epoch can leave a rank one: every rank's micro-batches, of every step and of the last.
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in t.model.modules()):
+        each = batch // world  # a rank's samples in a full step
         for rank in range(world):
-            last = len(range(rank, n, world)) - (steps - 1) * batch // world
-            for where, size in (
-                ("every step", batch // world),
-                ("the last step", min(batch // world, last)),
+            last = len(range(rank, n, world)) - (steps - 1) * each
+            for where, size, fix in (
+                ("every step", each, "raise --batch-size"),
+                (
+                    "the last step",
+                    min(each, last),
+                    f"pass --drop-last to leave out the last {n % batch} sample(s) of each epoch ({n} samples, "
+                    f"global batch {batch}), or change --batch-size",
+                ),
             ):
-                if 1 in map(len, split(range(max(0, size)), args.batch_size)):
-                    fix = (
-                        "raise --batch-size"
-                        if where == "every step"
-                        else (
-                            f"pass --drop-last to leave out the last {n % batch} sample(s) of each epoch ({n} samples, "
-                            f"global batch {batch}), or change --batch-size"
-                        )
-                    )
+                if 1 in map(len, split(range(size), args.batch_size)):
                     fail(
                         f"BatchNorm cannot train on a micro-batch of one sample, and {where} of each epoch would give "
                         f"rank {rank} one: {fix}",
@@ -1881,15 +1880,13 @@ def warm_up(t):
     (bit-exact resume with more than two ranks). It also checks that every parameter gets a gradient and what
     compute_loss counts; torch's FlopCounterMode counts the pass's FLOPs (matmuls, convolutions, attention; not
     recurrent layers, nor kernels it cannot see); and the batch is kept for a rank without samples in a step."""
-    args, ctx, keys = t.args, t.ctx, list(range(min(t.args.batch_size, len(t.train_set))))
+    args, ctx, keys = t.args, t.ctx, range(min(t.args.batch_size, len(t.train_set)))
     t.first_batch = batch = next(on_device([t.loader.dataset.__getitems__((0, keys))], ctx))
     rnn = sorted({type(m).__name__ for m in t.model.modules() if isinstance(m, nn.RNNBase)})
     why_not = f"torch's FlopCounterMode has no formula for {', '.join(rnn)}" if rnn else ""
+    counting = args.count_flops and not rnn
     counter = flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
-    with (
-        preserved_state(t.model, ctx),
-        counter if args.count_flops and not rnn else contextlib.nullcontext(),
-    ):
+    with preserved_state(t.model, ctx.device), counter if counting else contextlib.nullcontext():
         with t.autocast():
             loss, count, _ = call_compute_loss(t.ddp_model, batch, ctx)
         loss.backward()
@@ -1910,7 +1907,7 @@ def warm_up(t):
     # tokens: the first step's guess of its count, which keeps fp16 in range
     if not t.progress.step:
         t.progress.expected = max(float(count), 1.0) * t.global_batch / len(keys)
-    if args.count_flops and not rnn:
+    if counting:
         t.meter.flops = counter.get_total_flops() / len(keys) or None
         why_not = "" if t.meter.flops else "torch's FlopCounterMode counted no FLOPs in this model"
     if ctx.device.type == "cuda":
@@ -1919,9 +1916,9 @@ def warm_up(t):
     each = t.global_batch // ctx.world_size
     accum = math.ceil(each / args.batch_size)  # micro-batches per step: at most --batch-size each
     split_up = (
-        f"{each // accum}/process x {ctx.world_size} x {accum} accum"
-        if each % accum == 0
-        else f"{each}/process x {ctx.world_size}, in {accum} micro-batches of at most {-(-each // accum)}"
+        f"{each}/process x {ctx.world_size}, in {accum} micro-batches of at most {-(-each // accum)}"
+        if each % accum
+        else f"{each // accum}/process x {ctx.world_size} x {accum} accum"
     )
     log(
         ctx,
@@ -1947,12 +1944,12 @@ CPU_ATTENTION_FLOPS = {
 
 
 @contextlib.contextmanager
-def preserved_state(model, ctx):
+def preserved_state(model, device):
     """A forward and backward that leave no trace: every RNG state, the buffers (BatchNorm's statistics)
     and the gradients are as they were before."""
-    rng, buffers = rng_state(ctx.device), [b.clone() for b in model.buffers()]
+    rng, buffers = rng_state(device), [b.clone() for b in model.buffers()]
     yield
-    set_rng_state(rng, ctx.device)
+    set_rng_state(rng, device)
     with torch.no_grad():
         for buffer, saved in zip(model.buffers(), buffers):
             buffer.copy_(saved)
@@ -1968,9 +1965,10 @@ def evaluation(t):
         return {}
     figures = evaluate(t.model, t)
     if "ema" in t.state:
-        ema = evaluate(t.state["ema"].module, t)
         figures |= {
-            f"eval_ema_{k[5:]}": v for k, v in ema.items() if k[5:] not in ("samples", COUNT_UNIT)
+            f"eval_ema_{k[5:]}": v
+            for k, v in evaluate(t.state["ema"].module, t).items()
+            if k[5:] not in ("samples", COUNT_UNIT)
         }
     # METRIC[:min|:max]: best.pt (--ema's for eval_ema_*) at each better evaluation
     if t.args.keep_best:
@@ -1995,19 +1993,19 @@ def evaluation(t):
 def evaluate(model, t):
     """Loss and metric means over the whole eval set, each sample counted exactly once. All ranks: each
     evaluates its share with the raw model (DDP's forward may sync), then the sums are added."""
-    ctx, world = t.ctx, t.ctx.world_size
+    ctx = t.ctx
     # DDP: rank 0's buffers (BatchNorm statistics) on every rank: one model evaluated (DDP itself does this at
     # the next step's start).
-    for buffer in model.buffers() if world > 1 else ():
+    for buffer in model.buffers() if ctx.world_size > 1 else ():
         dist.broadcast(buffer, 0)
     if not hasattr(t, "eval_loader"):
         t.eval_loader = loader_of(t.eval_set, t.args, ctx)
     loader, batches = t.eval_loader
     # DDP: each rank evaluates its own share, in order: what DistributedSampler(shuffle=False) deals it, without
     # its padding. (Evaluation's own data seeds: epoch -1.)
-    mine = list(range(ctx.rank, len(t.eval_set), world))
+    mine = range(ctx.rank, len(t.eval_set), ctx.world_size)
     batches[:] = [(-1, b) for b in split(mine, t.args.batch_size)]
-    sums = {"samples": len(mine), "count": 0}
+    sums = {"count": 0}
     model.eval()
     for batch in on_device(loader, ctx):
         with t.autocast():
@@ -2016,18 +2014,17 @@ def evaluate(model, t):
             sums[name] = sums.get(name, 0) + torch.as_tensor(mean).double() * n
         sums["count"] += n
     model.train()
-    # DDP: all ranks' sums (some may lack names)
-    gathered = everyone({k: float(v) for k, v in sums.items()}, ctx)
-    totals = {
-        k: sum(g.get(k, 0.0) for g in gathered)
-        for k in dict.fromkeys(k for g in gathered for k in g)
-    }
-    samples, count = int(totals.pop("samples")), totals.pop("count")
-    tokens = {f"eval_{COUNT_UNIT}": whole(count)} if COUNT_UNIT != "samples" else {}
-    return {f"eval_{name}": value / count for name, value in totals.items()} | {
-        "eval_samples": samples,
-        **tokens,
-    }
+    # DDP: all ranks' sums, added in rank order (some may lack names)
+    totals = {}
+    for rank_sums in everyone({k: float(v) for k, v in sums.items()}, ctx):
+        for name, value in rank_sums.items():
+            totals[name] = totals.get(name, 0.0) + value
+    count = totals.pop("count")
+    figures = {f"eval_{name}": value / count for name, value in totals.items()}
+    figures["eval_samples"] = len(t.eval_set)  # the ranks' shares add up to it: every sample once
+    if COUNT_UNIT != "samples":
+        figures[f"eval_{COUNT_UNIT}"] = whole(count)
+    return figures
 
 
 # ====== Extras: precision, compute_loss's contract, argument parsing, errors =================================
@@ -2039,7 +2036,7 @@ def call_compute_loss(model, batch, ctx):
     loss, count, metrics = (
         (*out, {})[:3] if isinstance(out, tuple) and len(out) in (2, 3) else (out, None, None)
     )
-    if torch.is_tensor(loss) and loss.dim() == 0 and isinstance(metrics, dict):
+    if torch.is_tensor(loss) and loss.ndim == 0 and isinstance(metrics, dict):
         if isinstance(count, (int, float)) or torch.is_tensor(count) and count.numel() == 1:
             # No items (all ignore_index): the mean is 0/0, and weighs nothing.
             if torch.is_tensor(count):
