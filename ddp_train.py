@@ -1817,6 +1817,12 @@ def check_the_run(t):
                 ctx=ctx,
             )
     n = len(t.train_set)
+    if not n or t.eval_set is not None and not len(t.eval_set):
+        fail(
+            f"build_datasets returned an empty {'eval' if n else 'training'} set: give it samples (an eval set of "
+            "None: no evaluation)",
+            ctx=ctx,
+        )
     sizes = everyone((n, len(t.eval_set or ())), ctx)
     if len(set(sizes)) > 1:
         trains, evals = zip(*sizes)

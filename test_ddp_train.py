@@ -681,6 +681,35 @@ def test_no_eval_set_means_no_evaluation(project, tmp_path):
     )
 
 
+@pytest.mark.parametrize("empty", ["training", "eval"])
+def test_an_empty_training_or_eval_set_is_one_line(tmp_path, empty):
+    # An exact TensorDataset without samples: its index gather would raise, and an eval set without samples
+    # would divide by zero; both stop before anything is written.
+    script = tmp_path / "empty.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from torch.utils.data import TensorDataset\n"
+        "import ddp_train\n"
+        "def sets(args, n=sys.argv.pop(1)):\n"
+        "    data = lambda n: TensorDataset(torch.zeros(n, 32), torch.zeros(n, dtype=torch.long))\n"
+        "    return (data(0), data(8)) if n == 'training' else (data(64), data(0))\n"
+        "ddp_train.build_datasets = sets\n"
+        "sys.exit(ddp_train.main())\n"
+    )
+    r = run(
+        python_cmd(empty, script=str(script)),
+        tmp_path,
+        expect=2,
+        env=clean_env(PYTHONPATH=ROOT),
+    )
+    lines = r.stderr.strip().splitlines()
+    assert lines == [
+        f"ddp_train.py: error: build_datasets returned an empty {empty} set: give it samples (an eval set of "
+        "None: no evaluation)"
+    ], r
+    assert not (tmp_path / "out").exists()
+
+
 def test_second_ctrl_c_stops_at_once_without_saving(project, tmp_path):
     stop = dict(STOP_SIGNAL="INT", STOP_AT=25, STOP_AGAIN_AFTER=1.5)
     r = run(digits_cmd(project, "python"), tmp_path, env=clean_env(**stop), expect=130)
