@@ -772,10 +772,9 @@ def choose_gpu(local_rank, local_world, visible, launcher, cuda_visible_devices)
 
 
 def cpus_per_process(affinity, local_world, launcher, slurm_cpus_per_task):
-    """Divide only what the processes share. A task that srun started with --cpus-per-task has that
-    many cores of its own (SLURM binds them: its affinity already is its share); the workers of
-    torchrun, --spawn or the legacy launcher share the cores their launcher had, as do srun tasks
-    without --cpus-per-task."""
+    """Divide only what the processes share. A task that srun started with --cpus-per-task has that many cores
+    of its own (SLURM binds them: its affinity already is its share); the workers of torchrun, --spawn or
+    the legacy launcher share the cores their launcher had, as do srun tasks without --cpus-per-task."""
     if launcher == "slurm" and slurm_cpus_per_task:
         return min(affinity, int(slurm_cpus_per_task))
     return max(1, affinity // local_world)
@@ -884,19 +883,20 @@ def explain_failure(exc, ctx):
             error=True,
         )
         raise SystemExit(130) from None
-    if isinstance(exc, Exception) and ctx.world_size > 1 and not dist.is_initialized():
-        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"  # what was tried; the launcher says the rest
-        fail(
-            f"rank {ctx.rank} could not join the {ctx.world_size}-process group at {where} within "
-            f"{ctx.timeout.total_seconds():g}s: {one_line(exc)}",
-            1,
-        )
-    if ctx.world_size > 1 and lost_a_peer:  # say what happened, not where we were waiting
-        fail(
-            f"rank {ctx.rank} lost contact with another process (it crashed, hung past --timeout, was killed, or its "
-            f"node left the network); rerun to resume from the last checkpoint. The error: {one_line(exc)}",
-            1,
-        )
+    if ctx.world_size > 1:
+        if isinstance(exc, Exception) and not dist.is_initialized():
+            where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"  # what was tried; the launcher says the rest
+            fail(
+                f"rank {ctx.rank} could not join the {ctx.world_size}-process group at {where} within "
+                f"{ctx.timeout.total_seconds():g}s: {one_line(exc)}",
+                1,
+            )
+        if lost_a_peer:  # say what happened, not where we were waiting
+            fail(
+                f"rank {ctx.rank} lost contact with another process (it crashed, hung past --timeout, was killed, or its "
+                f"node left the network); rerun to resume from the last checkpoint. The error: {one_line(exc)}",
+                1,
+            )
 
 
 # ====== Agreeing at a step: a stop signal (preemption), and rank 0's clocks (progress lines, checkpoints) ======
