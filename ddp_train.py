@@ -665,13 +665,8 @@ class Context:
             dist.set_debug_level_from_env()  # torch.distributed read the variable when it was imported
             if ctx.rank:
                 os.makedirs(f"{args.out_dir}/debug", exist_ok=True)
-                os.dup2(
-                    os.open(
-                        f"{args.out_dir}/debug/rank{ctx.rank}.log",
-                        os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                    ),
-                    2,
-                )
+                with open(f"{args.out_dir}/debug/rank{ctx.rank}.log", "w") as log_file:
+                    os.dup2(log_file.fileno(), 2)
         # (for CPU training on a GPU machine, hide the GPUs: CUDA_VISIBLE_DEVICES=)
         if torch.cuda.is_available():
             gpus = env.get("CUDA_VISIBLE_DEVICES")
@@ -885,7 +880,7 @@ def explain_failure(exc, ctx):
         raise SystemExit(130) from None
     if ctx.world_size > 1:
         if isinstance(exc, Exception) and not dist.is_initialized():
-            where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"  # what was tried; the launcher says the rest
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"  # what was tried; the launcher says the rest
             fail(
                 f"rank {ctx.rank} could not join the {ctx.world_size}-process group at {where} within "
                 f"{ctx.timeout.total_seconds():g}s: {one_line(exc)}",

@@ -710,6 +710,16 @@ def test_an_empty_training_or_eval_set_is_one_line(tmp_path, empty):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_rank_set_by_hand_without_master_addr_is_one_line(tmp_path):
+    # RANK and WORLD_SIZE by hand (no launcher) but no MASTER_ADDR: init_process_group cannot start.
+    r = run(python_cmd("--timeout", 5), tmp_path, expect=1, env=clean_env(RANK=0, WORLD_SIZE=2))
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "ddp_train.py: error: rank 0 could not join the 2-process group at None:None within 5s: "
+    ), r
+    assert "MASTER_ADDR" in lines[0], r
+
+
 def test_second_ctrl_c_stops_at_once_without_saving(project, tmp_path):
     stop = dict(STOP_SIGNAL="INT", STOP_AT=25, STOP_AGAIN_AFTER=1.5)
     r = run(digits_cmd(project, "python"), tmp_path, env=clean_env(**stop), expect=130)
@@ -4898,6 +4908,8 @@ def test_debug_turns_on_torchs_distributed_debugging_and_puts_the_other_ranks_ou
     assert "rank 0: debug level INFO" in r.stderr and "rank 1:" not in r.stderr, r
     assert sorted(p.name for p in (r.out_dir / "debug").iterdir()) == ["rank1.log"], r
     assert "rank 1: debug level INFO" in (r.out_dir / "debug" / "rank1.log").read_text(), r
+    # a log, not a program: no execute bits
+    assert (r.out_dir / "debug" / "rank1.log").stat().st_mode & 0o111 == 0
     # rank 0's console as ever
     assert "epoch   1/1" in r.stdout and r.stdout.count("saved ") == 1, r
     mine = run(
