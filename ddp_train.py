@@ -674,7 +674,7 @@ class Context:
                 ctx.local_rank, ctx.local_world_size, torch.cuda.device_count(), launcher, gpus
             )
             if isinstance(choice, str):
-                fail(choice, ctx=ctx)
+                fail(choice, ctx)
             ctx.device = torch.device("cuda", choice)
             # NCCL's: collectives dumped on a hang
             for name, value in flight_recorder_env(args.out_dir).items():
@@ -884,13 +884,13 @@ def explain_failure(exc, ctx):
             fail(
                 f"rank {ctx.rank} could not join the {ctx.world_size}-process group at {where} within "
                 f"{ctx.timeout.total_seconds():g}s: {one_line(exc)}",
-                1,
+                code=1,
             )
         if lost_a_peer:  # say what happened, not where we were waiting
             fail(
                 f"rank {ctx.rank} lost contact with another process (it crashed, hung past --timeout, was killed, or its "
                 f"node left the network); rerun to resume from the last checkpoint. The error: {one_line(exc)}",
-                1,
+                code=1,
             )
 
 
@@ -1098,7 +1098,7 @@ def on_device(batches, ctx):
     # (an exception in a worker comes here with the worker's traceback in its message)
     for batch in batches:
         if isinstance(batch, Unbatchable):
-            fail(batch, ctx=ctx)
+            fail(batch, ctx)
         yield to_device(batch, ctx.device)
 
 
@@ -1249,7 +1249,7 @@ def every_parameter_once(built, model, ctx):
         fail(
             f"build_optimizer must give every trainable parameter to exactly one optimizer; {len(odd)} are in "
             f"none or in several: {', '.join(odd[:5])}{', ...' if len(odd) > 5 else ''}",
-            ctx=ctx,
+            ctx,
         )
     return optimizers
 
@@ -1284,7 +1284,7 @@ def resume(t):
         fail(
             f"{path} is not a checkpoint of this {PROG}: --init-from {path} starts a new run from the weights of a "
             "model.pt or an older checkpoint; or move it away, or pass --resume never to start over",
-            ctx=ctx,
+            ctx,
         )
     fit(t.model, ckpt["model"], path, ctx)
     config, saved = run_config(t), ckpt["config"]
@@ -1297,7 +1297,7 @@ def resume(t):
         fail(
             f"cannot resume from {path}: {', '.join(changed)}; rerun with the same settings (on another world size, "
             "--global-batch keeps the global batch), or start over with --resume never or another --out-dir",
-            ctx=ctx,
+            ctx,
         )
     # Every part but the model (fit loaded it), in order: "rng" reads the progress restored before it.
     for name, part in t.state.items():
@@ -1317,7 +1317,7 @@ def resume(t):
         fail(
             f"cannot resume from {path} for {t.total_steps} steps: your scheduler was built for the run's "
             f"{ckpt['total_steps']}; keep --epochs and --max-steps, or start over with --resume never",
-            ctx=ctx,
+            ctx,
         )
     # A longer run: the next step's lr from the schedule as it now is. (A LambdaLR's function is not in its
     # state, and it knows the new total; the optimizer's lr is the old schedule's.)
@@ -1330,7 +1330,7 @@ def resume(t):
         fail(
             f"ranks resumed from different checkpoints (steps {min(steps)} to {max(steps)}): every node must see "
             "the same --out-dir (shared storage)",
-            ctx=ctx,
+            ctx,
         )
     if progress.step >= t.total_steps:
         log(
@@ -1393,7 +1393,7 @@ def load(path, ctx, flag):
     """A checkpoint or weights file, read onto the CPU. One that cannot be read stops the run: starting over
     would write over it (checkpoint.prev.pt holds the one before)."""
     if not os.path.isfile(path):
-        fail(f"{flag} {path}: no such file", ctx=ctx)
+        fail(f"{flag} {path}: no such file", ctx)
     try:
         return torch.load(path, **checkpoint_load_options(ctx.device.type, path))
     except Exception as exc:
@@ -1401,7 +1401,7 @@ def load(path, ctx, flag):
         fix = f"move it away, resume from the one before with --resume {prev}, or pass --resume never to start over"
         fail(
             f"{path} is unreadable ({one_line(exc)[:120]}): {fix if flag == '--resume' else 'pass another file'}",
-            ctx=ctx,
+            ctx,
         )
 
 
@@ -1432,7 +1432,7 @@ def fit(model, weights, path, ctx):
         fail(
             f"the model differs from the one in {path}: {' '.join(str(exc).split())[:600]}. Build the same model, "
             "or start over with --resume never or another --out-dir",
-            ctx=ctx,
+            ctx,
         )
 
 
@@ -1446,8 +1446,8 @@ def diverged(what, ctx):
     fail(
         f"{what}: the run diverged and stopped; nothing non-finite was saved, the last checkpoint is intact. "
         "Lower --lr, or try --clip-grad-norm 1.0",
-        1,
         ctx,
+        1,
     )
 
 
@@ -1801,7 +1801,7 @@ def check_the_run(t):
     if (args.keep_best or args.eval_every) and t.eval_set is None:
         fail(
             f"{'--keep-best' if args.keep_best else '--eval-every'}: there is no eval set to evaluate",
-            ctx=ctx,
+            ctx,
         )
     for name, data in ("train", t.train_set), ("eval", t.eval_set or ()):
         if isinstance(data, IterableDataset) or not hasattr(data, "__getitem__"):
@@ -1809,14 +1809,14 @@ def check_the_run(t):
                 f"build_datasets returned an IterableDataset ({type(data).__name__}) as the {name} set: {PROG} needs "
                 "map-style Datasets (__len__ and __getitem__) for its sampler, exact resume and N x B == 1 x N*B; "
                 "index your samples (a list of token files, a memory-mapped array) instead of streaming them",
-                ctx=ctx,
+                ctx,
             )
     n = len(t.train_set)
     if not n or t.eval_set is not None and not len(t.eval_set):
         fail(
             f"build_datasets returned an empty {'eval' if n else 'training'} set: give it samples (an eval set of "
             "None: no evaluation)",
-            ctx=ctx,
+            ctx,
         )
     sizes = everyone((n, len(t.eval_set or ())), ctx)
     if len(set(sizes)) > 1:
@@ -1825,11 +1825,11 @@ def check_the_run(t):
             f"the ranks built different datasets ({min(trains)} to {max(trains)} training samples, {min(evals)} to "
             f"{max(evals)} evaluation samples): build_datasets must give every rank the same data (split with a "
             "seeded generator, from storage every node sees)",
-            ctx=ctx,
+            ctx,
         )
     if args.sync_bn and world > 1:
         if ctx.device.type != "cuda":
-            fail("--sync-bn needs CUDA: torch's SyncBatchNorm has no CPU implementation", ctx=ctx)
+            fail("--sync-bn needs CUDA: torch's SyncBatchNorm has no CPU implementation", ctx)
         if not args.drop_last:
             log(
                 ctx,
@@ -1840,12 +1840,12 @@ def check_the_run(t):
     if batch % world:
         fail(
             f"--global-batch {batch} is split evenly over the ranks, so the world size ({world}) must divide it",
-            ctx=ctx,
+            ctx,
         )
     if args.drop_last and n < batch:
         fail(
             f"--drop-last: the {n} training samples do not fill one global batch of {batch}",
-            ctx=ctx,
+            ctx,
         )
     steps = n // batch if args.drop_last else math.ceil(n / batch)
     # Trap: BatchNorm cannot train on one sample ("Expected more than 1 value per channel"), and the last step
@@ -1867,7 +1867,7 @@ def check_the_run(t):
                     fail(
                         f"BatchNorm cannot train on a micro-batch of one sample, and {where} of each epoch would give "
                         f"rank {rank} one: {fix}",
-                        ctx=ctx,
+                        ctx,
                     )
     return steps
 
@@ -1902,7 +1902,7 @@ def warm_up(t):
                 f"{len(missing)} parameter(s) got no gradient in the first step: {', '.join(missing[:5])}"
                 f"{', ...' if len(missing) > 5 else ''}. Pass --find-unused-parameters if some parameters sit out "
                 "some steps, or set requires_grad=False on those you freeze",
-                ctx=ctx,
+                ctx,
             )
     counts_samples(float(count), len(keys), ctx)
     # tokens: the first step's guess of its count, which keeps fp16 in range
@@ -1978,7 +1978,7 @@ def evaluation(t):
             fail(
                 f"--keep-best {t.args.keep_best}: name one of the evaluation's figures ({', '.join(figures)}), "
                 "with :min or :max if you like",
-                ctx=t.ctx,
+                t.ctx,
             )
         value, best, lower = figures[name], t.progress.best, way == "min" if way else "loss" in name
         if best is None or (value < best if lower else value > best):
@@ -2050,7 +2050,7 @@ def call_compute_loss(model, batch, ctx):
         f"compute_loss must return (loss, count) or (loss, count, {{name: mean}}): loss the mean over count items, "
         f"a 0-dim tensor; count a number or a 0-dim tensor; it returned {type(out).__name__}"
         + (f" with a loss of shape {shape}: take the mean over the batch" if shape else ""),
-        ctx=ctx,
+        ctx,
     )
 
 
@@ -2062,7 +2062,7 @@ def counts_samples(counted, samples, ctx):
             f'compute_loss counted {whole(counted)} for {samples} samples, but COUNT_UNIT is "samples": '
             "return the batch's sample count, or set COUNT_UNIT to what your count counts (ddp_train.COUNT_UNIT = "
             '"tokens")',
-            ctx=ctx,
+            ctx,
         )
 
 
@@ -2087,7 +2087,7 @@ def at_least(low, strict=False):
     return parse
 
 
-def fail(message, code=2, ctx=None):
+def fail(message, ctx=None, code=2):
     """Stop with one clear line on stderr and no traceback. With a ctx, the error is one that every
     rank hits, so only rank 0 prints it."""
     if ctx is None or ctx.rank == 0:
