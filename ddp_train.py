@@ -1541,9 +1541,8 @@ class Meter:
         self.t, self.cuda = t, t.ctx.device.type == "cuda"
         self.started = time.perf_counter(), t.progress.step  # for the ETA: this run's pace
         self.losses, self.norms, self.computing = [], [], []
-        self.loss = self.count = self.waited = self.computed = (
-            0  # (seconds: this rank's, since the start)
-        )
+        # waited, computed: this rank's seconds, since the start
+        self.loss = self.count = self.waited = self.computed = 0
         self.timing = [0.0] * 2 * t.ctx.world_size  # every rank's, as of the last fold
         self.forward_at = self.flops = self.first_step_at = self.last_norm = self.writer = None
         # the next step's lr (also for an epoch resumed at its end, which runs no step before its record)
