@@ -2010,8 +2010,9 @@ def evaluate(model, t):
     for batch in on_device(loader, ctx):
         with t.autocast():
             loss, n, metrics = call_compute_loss(model, batch, ctx)
-        for name, mean in {"loss": loss, **metrics}.items():  # means, weighed by their count
-            sums[name] = sums.get(name, 0) + torch.as_tensor(mean).double() * n
+        # means, weighed by their count; by the figures' names, so that a metric named "count" is its own
+        for name, mean in {"loss": loss, **metrics}.items():
+            sums[f"eval_{name}"] = sums.get(f"eval_{name}", 0) + torch.as_tensor(mean).double() * n
         sums["count"] += n
     model.train()
     # DDP: all ranks' sums, added in rank order (some may lack names)
@@ -2020,7 +2021,7 @@ def evaluate(model, t):
         for name, value in rank_sums.items():
             totals[name] = totals.get(name, 0.0) + value
     count = totals.pop("count")
-    figures = {f"eval_{name}": value / count for name, value in totals.items()}
+    figures = {name: value / count for name, value in totals.items()}
     figures["eval_samples"] = len(t.eval_set)  # the ranks' shares add up to it: every sample once
     if COUNT_UNIT != "samples":
         figures[f"eval_{COUNT_UNIT}"] = whole(count)

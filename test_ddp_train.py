@@ -710,6 +710,29 @@ def test_an_empty_training_or_eval_set_is_one_line(tmp_path, empty):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_metric_named_count_is_a_figure_of_its_own_and_leaves_the_means_exact(tmp_path):
+    # compute_loss's metric "count" (the accuracy again) beside the evaluation's own count of samples: the
+    # eval figures are the plain run's, bit for bit, plus eval_count.
+    script = tmp_path / "named.py"
+    script.write_text(
+        "import sys\n"
+        "import ddp_train\n"
+        "def compute_loss(model, batch, plain=ddp_train.compute_loss):\n"
+        "    loss, n, metrics = plain(model, batch)\n"
+        "    return loss, n, metrics | {'count': metrics['accuracy']}\n"
+        "ddp_train.compute_loss = compute_loss\n"
+        "sys.exit(ddp_train.main())\n"
+    )
+    args = ["--num-samples", 256, "--eval-samples", 100, "--epochs", 1, "--batch-size", 32]
+    plain = run(python_cmd(*args), tmp_path, out="plain")
+    named = run(
+        python_cmd(*args, script=str(script)), tmp_path, out="named", env=clean_env(PYTHONPATH=ROOT)
+    )
+    (want,), (got,) = plain.metrics, named.metrics
+    assert got["eval_count"] == got["eval_accuracy"] == want["eval_accuracy"], (got, want)
+    assert (got["eval_loss"], got["eval_samples"]) == (want["eval_loss"], 100), (got, want)
+
+
 def test_a_rank_set_by_hand_without_master_addr_is_one_line(tmp_path):
     # RANK and WORLD_SIZE by hand (no launcher) but no MASTER_ADDR: init_process_group cannot start.
     r = run(python_cmd("--timeout", 5), tmp_path, expect=1, env=clean_env(RANK=0, WORLD_SIZE=2))
