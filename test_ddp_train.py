@@ -4407,66 +4407,58 @@ def test_lm_log_every_n_gives_rank_0_a_record_at_exactly_every_nth_step_with_the
     )
 
 
-def test_a_users_one_cycle_lr_gets_every_step_and_resumes_bit_identical(project, tmp_path):
-    # torch's OneCycleLR from build_scheduler (onecycle.py) over 2 x 16 steps: every step's record carries the lr
-    # that OneCycleLR gave that step, computed here by torch on an optimizer of our own. Stopped by SIGTERM
-    # mid-epoch 2 and rerun, the lrs after the stop and the final weights are the uninterrupted run's, bit for bit.
-    args = [
-        "--num-samples",
-        512,
-        "--eval-samples",
-        64,
-        "--batch-size",
-        32,
-        "--epochs",
-        2,
-        "--lr",
-        0.01,
-        "--log-every",
-        1,
-        "--log-seconds",
-        0,
-    ]
-    script = str(project / "onecycle.py")
-    whole = run(
-        python_cmd(*args, script=script),
-        tmp_path,
-        out="whole",
-        env=clean_env(REPORT_TO=tmp_path / "whole.jsonl"),
-    )
+def one_cycle_stopped_and_resumed(tmp_path, script, args, total, **stop):
+    """Three runs of a script whose build_scheduler returns torch's OneCycleLR over `total` steps, with a record a
+    step (--log-every 1) through report(): uninterrupted; stopped by SIGTERM (stopper's STOP_AT...); rerun. Every
+    step's lr in the records is the one OneCycleLR gives that step, computed here by torch on an optimizer of our
+    own, before the stop and after it; the final weights are the uninterrupted run's, bit for bit. Returns the
+    runs and the step the stop came at."""
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=32)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=total)
     want = []
-    for _ in range(32):
+    for _ in range(total):
         want.append(opt.param_groups[0]["lr"])
         opt.step()
         schedule.step()
 
+    def launch(name, expect=0, **env):
+        return run(
+            python_cmd(*args, "--lr", 0.01, "--log-every", 1, "--log-seconds", 0, script=script),
+            tmp_path,
+            out="whole" if name == "whole" else "out",
+            env=clean_env(REPORT_TO=tmp_path / f"{name}.jsonl", **env),
+            expect=expect,
+        )
+
     def lrs(name):
-        records = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+        records = [
+            json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()
+        ]
         return {record["step"]: record["lr"] for record in records if record["kind"] == "progress"}
 
-    assert lrs("whole.jsonl") == dict(enumerate(want, 1))  # exactly: JSON keeps a float's every bit
-    first = run(
-        python_cmd(*args, script=script),
-        tmp_path,
-        env=clean_env(REPORT_TO=tmp_path / "first.jsonl", STOP_SIGNAL="TERM", STOP_AT=21),
-        expect=75,
-    )
+    whole = launch("whole")
+    assert lrs("whole") == dict(enumerate(want, 1))  # exactly: JSON keeps a float's every bit
+    first = launch("first", expect=75, STOP_SIGNAL="TERM", **stop)
     stopped = int(re.search(r"stopped by a signal at step (\d+)", first.stdout).group(1))
-    assert 21 <= stopped < 32, first
-    final = run(
-        python_cmd(*args, script=script),
-        tmp_path,
-        env=clean_env(REPORT_TO=tmp_path / "final.jsonl"),
-    )
+    final = launch("final")
     assert resumed_at(final.stdout)[1] == stopped, final
-    assert lrs("final.jsonl") == {step: want[step - 1] for step in range(stopped + 1, 33)}
+    assert lrs("final") == {step: want[step - 1] for step in range(stopped + 1, total + 1)}
     assert_same_weights(final.weights, whole.weights, exact=True)
+    return whole, first, final, stopped
+
+
+def test_a_users_one_cycle_lr_gets_every_step_and_resumes_bit_identical(project, tmp_path):
+    # torch's OneCycleLR from build_scheduler (onecycle.py) over 2 x 16 steps, stopped mid-epoch 2.
+    args = ["--num-samples", 512, "--eval-samples", 64, "--batch-size", 32, "--epochs", 2]
+    script = str(project / "onecycle.py")
+    whole, first, final, stopped = one_cycle_stopped_and_resumed(
+        tmp_path, script, args, 32, STOP_AT=21
+    )
+    assert 21 <= stopped < 32, first
     # OneCycleLR was built for 32 steps: a longer run on the finished one is one line, and nothing changes.
     saved = (final.out_dir / "checkpoint.pt").read_bytes()
     longer = run(
-        python_cmd(*args, "--epochs", 3, script=script),
+        python_cmd(*args, "--lr", 0.01, "--epochs", 3, script=script),
         tmp_path,
         expect=2,
         env=clean_env(REPORT_TO=tmp_path / "longer.jsonl"),
@@ -4489,50 +4481,15 @@ def test_a_users_one_cycle_lr_on_digits_with_augmentation_dropout_and_workers_ge
 ):
     # onecycle_digits.py: digits.py's own Dataset (random augmentation with torch, Python's random and numpy), its CNN
     # (BatchNorm, Dropout), 2 DataLoader workers, and torch's OneCycleLR from build_scheduler. 1437 samples at 64:
-    # 23 steps an epoch (the last of 29 samples), 46 in all. Every step's record carries the lr that OneCycleLR gave
-    # that step, computed here by torch on an optimizer of our own. Stopped by SIGTERM to the whole process group
-    # (workers too) mid-epoch 2 and rerun: the lrs after the stop and the final weights are the uninterrupted run's.
-    args = ["--epochs", 2, "--batch-size", 64, "--workers", 2, "--lr", 0.01]
-    args += ["--log-every", 1, "--log-seconds", 0]
-    script = str(project / "onecycle_digits.py")
-    whole = run(
-        python_cmd(*args, script=script),
-        tmp_path,
-        out="whole",
-        env=clean_env(REPORT_TO=tmp_path / "whole.jsonl"),
+    # 23 steps an epoch (the last of 29 samples), 46 in all. Stopped by SIGTERM to the whole process group (workers
+    # too) mid-epoch 2.
+    args = ["--epochs", 2, "--batch-size", 64, "--workers", 2]
+    whole, first, final, stopped = one_cycle_stopped_and_resumed(
+        tmp_path, str(project / "onecycle_digits.py"), args, 46, STOP_TARGET="group", STOP_AT=30
     )
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=46)
-    want = []
-    for _ in range(46):
-        want.append(opt.param_groups[0]["lr"])
-        opt.step()
-        schedule.step()
-
-    def lrs(name):
-        records = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
-        return {record["step"]: record["lr"] for record in records if record["kind"] == "progress"}
-
-    assert lrs("whole.jsonl") == dict(enumerate(want, 1))  # exactly: JSON keeps a float's every bit
-    first = run(
-        python_cmd(*args, script=script),
-        tmp_path,
-        env=clean_env(
-            REPORT_TO=tmp_path / "first.jsonl", STOP_SIGNAL="TERM", STOP_TARGET="group", STOP_AT=30
-        ),
-        expect=75,
-    )
-    stopped = int(re.search(r"stopped by a signal at step (\d+)", first.stdout).group(1))
     assert 30 <= stopped < 46, first
     assert "Traceback" not in first.stderr and "DataLoader worker" not in first.stderr, first
-    final = run(
-        python_cmd(*args, script=script),
-        tmp_path,
-        env=clean_env(REPORT_TO=tmp_path / "final.jsonl"),
-    )
     assert resumed_at(final.stdout) == (stopped - 23, stopped), final  # mid-epoch 2
-    assert lrs("final.jsonl") == {step: want[step - 1] for step in range(stopped + 1, 47)}
-    assert_same_weights(final.weights, whole.weights, exact=True)
     assert [m["epoch"] for m in final.metrics] == [1, 2]
     for a, b in zip(final.metrics, whole.metrics):
         assert a["train_samples"] == 1437
