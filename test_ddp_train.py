@@ -4276,6 +4276,23 @@ def test_report_of_a_users_script_gets_every_record_once_on_rank_0_alone(tmp_pat
         ), record
 
 
+def samples_since_the_last_line(progress, n, global_batch, steps_per_epoch):
+    """(record, its first step, the samples of its steps) for each progress record: the steps after the
+    last line, and in this epoch. Independently of the script: DistributedSampler deals out each
+    epoch's shuffle (seeded by --seed 0 + epoch) round-robin, and step s of the epoch trains its
+    [s, s + 1) x global batch stretch, so steps first..step of one epoch train one stretch of it."""
+    last = 0
+    for record in progress:
+        step = record["step"]
+        epoch, first = divmod(
+            max(last, (step - 1) // steps_per_epoch * steps_per_epoch), steps_per_epoch
+        )
+        shuffle = torch.randperm(n, generator=torch.Generator().manual_seed(epoch))
+        stop = (step - epoch * steps_per_epoch) * global_batch
+        yield record, epoch * steps_per_epoch + first + 1, shuffle[first * global_batch : stop]
+        last = step
+
+
 def test_log_every_n_gives_rank_0_a_record_at_exactly_every_nth_step_with_the_exact_mean_loss_since_the_last(
     tmp_path,
 ):
@@ -4316,28 +4333,17 @@ def test_log_every_n_gives_rank_0_a_record_at_exactly_every_nth_step_with_the_ex
     assert [record["step"] for record in progress] == list(range(6, 61, 6)), progress
     shown = [int(line[2].replace(",", "")) for line in PROGRESS.findall(r.stdout)]
     assert shown == list(range(6, 61, 6)), r.stdout  # one console line each
-    # Step g's samples, independently: DistributedSampler deals out each epoch's shuffle (seeded by --seed +
-    # epoch) round-robin, and step s of the epoch trains its [s, s + 1) x 32 stretch.
     x, y = ddp_train.build_datasets(default_args("--num-samples", "1000"))[0].tensors
     model = ddp_train.build_model(default_args())
     model.load_state_dict(w0)
     with torch.no_grad():
         losses = F.cross_entropy(model.double()(x.double()), y, reduction="none")
-    order = [
-        torch.randperm(1000, generator=torch.Generator().manual_seed(epoch)) for epoch in range(2)
-    ]
-    step_samples = [order[(g - 1) // 32][(g - 1) % 32 * 32 :][:32] for g in range(1, 65)]
-    last = 0
-    for record in progress:
-        # after the last line, and in this epoch
-        first = max(last, (record["step"] - 1) // 32 * 32) + 1
-        samples = torch.cat(step_samples[first - 1 : record["step"]])
+    for record, first, samples in samples_since_the_last_line(progress, 1000, 32, 32):
         assert record["train_loss"] == pytest.approx(losses[samples].mean().item(), rel=1e-6), (
             record,
             first,
         )
         assert record["lr"] == 0 and record["samples_per_sec"] > 0
-        last = record["step"]
     # The epochs' records: every sample once, at w0.
     assert [m["train_loss"] for m in r.metrics] == pytest.approx(
         [losses.mean().item()] * 2, rel=1e-6
@@ -4381,17 +4387,7 @@ def test_lm_log_every_n_gives_rank_0_a_record_at_exactly_every_nth_step_with_the
             logits.transpose(1, 2), batch["targets"], ignore_index=-100, reduction="none"
         )
     loss_sums, tokens = token_losses.sum(1), (batch["targets"] != -100).sum(1)
-    # Step g's samples, independently: DistributedSampler deals out each epoch's shuffle (seeded by --seed + epoch)
-    # round-robin, and step s of the epoch trains its [s, s + 1) x 8 stretch.
-    order = [
-        torch.randperm(90, generator=torch.Generator().manual_seed(epoch)) for epoch in range(2)
-    ]
-    step_samples = [order[(g - 1) // 12][(g - 1) % 12 * 8 :][:8] for g in range(1, 25)]
-    last = 0
-    for record in progress:
-        # after the last line, and in this epoch
-        first = max(last, (record["step"] - 1) // 12 * 12) + 1
-        samples = torch.cat(step_samples[first - 1 : record["step"]])
+    for record, first, samples in samples_since_the_last_line(progress, 90, 8, 12):
         want = (loss_sums[samples].sum() / tokens[samples].sum()).item()
         assert record["train_loss"] == pytest.approx(want, rel=1e-6), (record, first)
         # not the mean of the samples' own token means (a short function's tokens would weigh more)
@@ -4399,7 +4395,6 @@ def test_lm_log_every_n_gives_rank_0_a_record_at_exactly_every_nth_step_with_the
             (loss_sums[samples] / tokens[samples]).mean().item(), rel=1e-4
         )
         assert record["lr"] == 0 and record["tokens_per_sec"] > 0
-        last = record["step"]
     # The epochs' records: every real token of every sample once, at w0.
     assert [m["train_tokens"] for m in r.metrics] == [int(tokens.sum())] * 2
     assert [m["train_loss"] for m in r.metrics] == pytest.approx(
