@@ -22,8 +22,6 @@ TORCH_PIN := torch==2.13.0
 NUMPY_PIN := numpy==2.4.6
 PYTEST_PIN := pytest==9.0.3
 XDIST_PIN := pytest-xdist==3.8.0
-# The tests read --tensorboard's curves with TensorBoard's own reader; ddp_train.py itself needs only torch.
-TENSORBOARD_PIN := tensorboard==2.20.0
 # make lint: every Python file as ruff formats it at line length 100.
 RUFF_PIN := ruff==0.14.0
 # Multi-node settings, passed to run_multi_node.sh (see its header).
@@ -39,15 +37,15 @@ TORCH ?=
 TORCH_VENV = .venv-torch-$(TORCH)
 PIP = -m pip install -q --disable-pip-version-check
 
-.PHONY: help setup train train-cpu train-multinode test test-fast test-gpu test-torch lint bench clean
+.PHONY: help setup train train-cpu train-multinode test test-gpu test-torch lint bench clean
 
 help:  ## these targets, one line each
 	@awk -F':.*## ' '/^[a-z%-]+:.*## / {sub("%", "N", $$1); printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-setup: $(VENV)/.ready  ## create .venv: the pinned CPU torch, numpy, pytest, pytest-xdist, tensorboard and ruff, unless present
+setup: $(VENV)/.ready  ## create .venv: the pinned CPU torch, numpy, pytest, pytest-xdist and ruff, unless present
 
 # Offline (a GPU node with its image's torch): what PYTHON imports is used, and what is missing but optional
-# (pytest-xdist, tensorboard) is said in one line each; torch, numpy and pytest missing stop here.
+# (pytest-xdist, ruff) is said in one line each; torch, numpy and pytest missing stop here.
 $(VENV)/.ready: Makefile
 	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV) || $(PYTHON) -m venv --system-site-packages --without-pip $(VENV)
 	@$(PYTHON) -c "import site; print(*site.getsitepackages(), sep='\n')" > "$$($(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))")/python_that_made_it.pth"
@@ -55,8 +53,7 @@ $(VENV)/.ready: Makefile
 	@$(PY) -c "import numpy" 2>/dev/null || $(PY) $(PIP) $(NUMPY_PIN)
 	@$(PY) -c "import pytest" 2>/dev/null || $(PY) $(PIP) $(PYTEST_PIN)
 	@$(PY) -c "import xdist" 2>/dev/null || $(PY) $(PIP) $(XDIST_PIN) 2>/dev/null || echo "make setup: no pytest-xdist (offline?): make test runs one test at a time"
-	@$(PY) -c "import tensorboard" 2>/dev/null || $(PY) $(PIP) $(TENSORBOARD_PIN) 2>/dev/null || echo "make setup: no tensorboard (offline?): the TensorBoard tests skip"
-	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) $(PIP) $(RUFF_PIN) 2>/dev/null || echo "make setup: no ruff (offline?): make lint and the format test skip"
+	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) $(PIP) $(RUFF_PIN) 2>/dev/null || echo "make setup: no ruff (offline?): make lint cannot run"
 	@$(PY) -c "import torch; v = torch.__version__; print('torch', v, 'ready in $(VENV)'); [2, 4] <= [int(p) for p in \
 	  v.split('.')[:2]] <= [2, 15] or print(f'make setup: torch {v} is outside 2.4 to 2.15, the versions tested; going on')"
 	@touch $@
@@ -92,9 +89,6 @@ test-torch:  ## the version tier on another torch: make test-torch TORCH=2.4.1 (
 	@$(TORCH_VENV)/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH)')" 2>/dev/null || \
 	  PIP_CONSTRAINT=/dev/null $(TORCH_VENV)/bin/python $(PIP) torch==$(TORCH) numpy $(PYTEST_PIN) $(XDIST_PIN)
 	$(TORCH_VENV)/bin/python -m pytest -q -n 2 -m tier test_ddp_train.py
-
-test-fast: setup  ## the fast tier: under a minute
-	$(PY) -m pytest -q -m fast test_ddp_train.py
 
 test-gpu: setup  ## on a GPU machine: the GPU tests, then a short run in every GPU mode, as a table
 	@$(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null || \

@@ -237,10 +237,10 @@ def train(args, device, rank, world):
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)  # fp16: loss scaling
     # Every stateful part, by name: what a checkpoint saves and restores, one list each.
     parts = dict(model=[model], optimizers=optimizers, schedulers=schedulers, scaler=[scaler])
-    # The run's position is one step counter. Also the epoch's loss sum and count, and the count of
-    # a step over all ranks that its means are weighed against (samples: the global batch; tokens:
-    # the last step's, and the gradients are scaled to the step's own once it is known).
-    progress = {"step": 0, "epoch_loss": [0.0, 0.0], "count": batch}
+    # The run's position is one step counter. Also the loss sums and counts of the epoch and of the
+    # line, and the count of a step over all ranks that its means are weighed against (samples: the
+    # global batch; tokens: the last step's, and the gradients are scaled to the step's own later).
+    progress = {"step": 0, "epoch": [0.0, 0.0], "line": [0.0, 0.0], "count": batch}
     seed_everything(args.seed + 1 + rank)  # DDP: each rank a random stream of its own (dropout)
     if ckpt:
         try:
@@ -294,7 +294,7 @@ def train(args, device, rank, world):
             f"compute_loss counted {counted:g} for {samples} samples, but COUNT_UNIT is samples: "
             'return the sample count, or set COUNT_UNIT to what it counts ("tokens")',
         )
-        for totals in progress["epoch_loss"], line:
+        for totals in progress["epoch"], progress["line"]:
             totals[:] = totals[0] + total, totals[1] + counted
 
     @torch.no_grad()
@@ -368,10 +368,9 @@ def train(args, device, rank, world):
     signals = []
     for sig in STOP_SIGNALS:  # Trap: a handler only notes the signal: a collective in one deadlocks
         signal.signal(sig, lambda signum, frame: signals.append(signum))
-    # this rank's loss sum and count since the last fold; the line's totals; the last fold's step
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    # this rank's loss sum and count since the last fold, and that fold's step
+    sums, folded = torch.zeros(2, dtype=torch.float64, device=device), [step]
     loss_sum, count = sums
-    line, folded = [0.0, 0.0], [step]
     stop, pending, flag, first, started = False, None, None, step, time.perf_counter()
     line_at = started
     while step < total_steps:
@@ -420,7 +419,8 @@ def train(args, device, rank, world):
             step = progress["step"] = step + 1
             if log_now:  # all ranks fold; rank 0 prints
                 fold()
-                (total, counted), line[:], now = line, [0.0, 0.0], time.perf_counter()
+                (total, counted), progress["line"] = progress["line"], [0.0, 0.0]
+                now = time.perf_counter()
                 rate = counted / (now - line_at)
                 eta = (now - started) / (step - first) * (total_steps - step)
                 figures = {"train_loss": total / counted, "lr": lr, "grad_norm": norm.item()}
@@ -442,7 +442,7 @@ def train(args, device, rank, world):
                 save_checkpoint()
         if step == end:  # the end of an epoch, or of the run: all ranks
             fold()
-            (total, counted), progress["epoch_loss"] = progress["epoch_loss"], [0.0, 0.0]
+            (total, counted), progress["epoch"] = progress["epoch"], [0.0, 0.0]
             samples, seconds = (
                 (step - epoch * steps_per_epoch) * batch,
                 time.perf_counter() - epoch_at,
@@ -494,7 +494,9 @@ FLAGS = [
 
 
 def parse_args(argv=None):
-    p = Parser(prog=PROG, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(
+        prog=PROG, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     for name, default, help in FLAGS:
         if default is False:
             p.add_argument(f"--{name}", action="store_true", help=help)
