@@ -52,12 +52,11 @@ FEATURES, CLASSES = 32, 10  # the default task
 
 
 class InMemory(TensorDataset):
-    """The default task's tensors. The DataLoader asks __getitems__ for a whole batch at once (one
-    gather, not a Python loop over its samples), and collate_fn passes the batch on as it is."""
+    """The default task's tensors: a whole batch at once (one gather, not a loop over samples)."""
 
     def __getitems__(self, indices):
-        rows = torch.tensor(indices)
-        return tuple(tensor[rows] for tensor in self.tensors)
+        rows = torch.tensor(indices, dtype=torch.int64)
+        return tuple(tensor.index_select(0, rows) for tensor in self.tensors)
 
 
 def build_datasets(args):
@@ -88,13 +87,13 @@ def compute_loss(model, batch):
     mean is weighed by its count: every gradient and figure is the exact mean of a step's items."""
     inputs, targets = batch
     logits = model(inputs).float()
-    accuracy = (logits.argmax(dim=1) == targets).float().mean()
-    return F.cross_entropy(logits, targets), len(targets), {"accuracy": accuracy}
+    metrics = {} if model.training else {"accuracy": (logits.argmax(1) == targets).float().mean()}
+    return F.cross_entropy(logits, targets), len(targets), metrics
 
 
 def collate_fn(items):
     """A list of items -> a batch: torch's default_collate stacks them (items of different shapes
-    need one that pads: examples/tinylm.py). A batch the Dataset fetched whole stays as it is."""
+    need one that pads: examples/tinylm.py); a batch fetched whole (__getitems__) stays."""
     return items if isinstance(items, tuple) else default_collate(items)
 
 
@@ -121,8 +120,7 @@ def build_scheduler(args, optimizer, total_steps):
 
 
 def report(record):
-    """Rank 0 calls this with each record it logs ("kind": progress, eval or epoch; "step"...): send
-    them to W&B or TensorBoard here (the README shows how). By default: nothing."""
+    """Rank 0 calls this with each record it logs: send them to W&B or TensorBoard here."""
 
 
 # what compute_loss's count counts: "samples", or "tokens" for a language model
@@ -136,8 +134,7 @@ COUNT_UNIT = "samples"
 def main(argv=None):
     args = parse_args(argv)
     if args.spawn and "RANK" not in os.environ:
-        # --spawn N: torch's own launcher starts N processes here, on a free port (and passes
-        # SIGUSR1 on, from torch 2.10)
+        # --spawn N: torch's launcher starts N processes on a free port (passing SIGUSR1: 2.10+)
         os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGUSR1")
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.spawn}"]
         os.execv(sys.executable, [sys.executable, *launcher, sys.argv[0], *(argv or sys.argv[1:])])
@@ -156,8 +153,7 @@ def run(args):
             f"{here} processes on this node and {gpus} GPU(s), but NCCL needs one per process: "
             "start one per GPU, or train on the CPUs with CUDA_VISIBLE_DEVICES=",
         )
-        # DDP: one GPU per process, cuda:LOCAL_RANK (srun --gpus-per-task=1 shows each task its own
-        # as cuda:0), made current before anything else touches CUDA
+        # DDP: a GPU per process, current before anything touches CUDA (srun --gpus-per-task=1: 0)
         device = torch.device("cuda", local_rank % gpus)
         torch.cuda.set_device(device)
     if world > 1:
@@ -273,7 +269,8 @@ def train(args, device, rank, world):
     if world > 1:
         ddp_model = DDP(model, find_unused_parameters=args.find_unused_parameters)
     forward = torch.compile(ddp_model) if args.compile else ddp_model
-    gloo = dist.new_group(backend="gloo") if world > 1 else None  # small messages: no GPU involved
+    # small messages over gloo: beside NCCL a group of their own; on CPUs the default one (cheaper)
+    gloo = dist.new_group(backend="gloo") if world > 1 and device.type == "cuda" else None
 
     def fold():
         """All ranks: every rank's loss sum and count since the last fold, added to the epoch's and
@@ -299,18 +296,19 @@ def train(args, device, rank, world):
 
     @torch.no_grad()
     def evaluate():
-        """All ranks: loss and metric means over the eval set, each sample once: rank r takes its
-        samples r, r + world size... (DistributedSampler pads with repeats); the sums add up."""
+        """All ranks: the means over the eval set, each sample once (DistributedSampler pads)."""
         for buffer in model.buffers() if world > 1 else ():
             dist.broadcast(buffer, 0)  # DDP: rank 0's BatchNorm statistics: the model rank 0 saves
-        sums, count, ours = {}, 0.0, range(rank, len(eval_set), world)
+        sums, count, ours = {}, 0.0, range(rank, len(eval_set), world)  # r, r + world size...
         model.eval()
         for inputs in DataLoader(eval_set, args.batch_size, sampler=ours, **options):
             with autocast:
                 loss, n, metrics = checked(compute_loss(model, to_device(inputs, device)))
             count += float(n)
-            for name, total in [("loss", loss), *((k, v * n) for k, v in metrics.items())]:
-                sums[f"eval_{name}"] = sums.get(f"eval_{name}", 0.0) + (float(total) if n else 0.0)
+            for name, mean in {"loss": loss, **metrics}.items():
+                sums[f"eval_{name}"] = sums.get(f"eval_{name}", 0.0) + (
+                    float(mean * n) if n else 0.0
+                )
         model.train()
         every = [(count, sums)] * world
         if world > 1:
@@ -323,8 +321,7 @@ def train(args, device, rank, world):
         return figures
 
     def emit(kind, figures):
-        """Rank 0: a record (a progress line, an evaluation, an epoch) to the console, metrics.jsonl
-        and report()."""
+        """Rank 0: a record (progress, eval, epoch) to the console, metrics.jsonl and report()."""
         if rank == 0:
             record = dict(kind=kind, step=step, epoch=epoch + 1, **figures)
             shown = [
@@ -336,8 +333,7 @@ def train(args, device, rank, world):
             report(record)
 
     def save_checkpoint():
-        """All ranks fold their losses and gather their random generators; rank 0 writes it all
-        atomically (keeping the checkpoint before); every rank waits for the write."""
+        """All ranks: losses folded, generators gathered; rank 0 writes; all wait for the write."""
         fold()
         rngs = [rng_state()] * world
         if world > 1:
@@ -371,8 +367,8 @@ def train(args, device, rank, world):
     # this rank's loss sum and count since the last fold, and that fold's step
     sums, folded = torch.zeros(2, dtype=torch.float64, device=device), [step]
     loss_sum, count = sums
-    stop, pending, flag, first, started = False, None, None, step, time.perf_counter()
-    line_at = started
+    stop, pending, flag, first = False, None, None, step
+    started = line_at = time.perf_counter()
     while step < total_steps:
         epoch, done = divmod(step, steps_per_epoch)
         sampler.set_epoch(epoch)  # Trap: without it every epoch repeats the first one's shuffle
@@ -392,14 +388,15 @@ def train(args, device, rank, world):
                 sync = i == accum - 1 or world == 1
                 with contextlib.nullcontext() if sync else ddp_model.no_sync():
                     with autocast:
-                        loss, n, _ = checked(compute_loss(forward, inputs))  # loss: the mean x n
-                    loss_sum += loss.detach()
+                        loss, n, _ = checked(compute_loss(forward, inputs))
+                    loss_sum += loss.detach() * n
                     counts += n
                     # DDP: DDP averages the ranks' gradients: a mean weighs its share of the count
-                    scaler.scale(loss * (world / expected)).backward()
+                    scaler.scale(loss * (n * world / expected)).backward()
             count += counts
             if COUNT_UNIT != "samples":
                 # DDP: the step's count over all ranks, then every gradient as if weighed by it
+                counts = torch.as_tensor(counts, dtype=torch.float64, device=device)
                 if world > 1:
                     dist.all_reduce(counts)
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -456,9 +453,8 @@ def train(args, device, rank, world):
             return 75
     if pending:
         pending.wait()
-    if (
-        rank == 0
-    ):  # Trap: the raw module: DDP prefixes each key with "module.", compile "_orig_mod."
+    # Trap: save the raw module: DDP prefixes each key with "module.", compile "_orig_mod."
+    if rank == 0:
         atomic_save(model.state_dict(), f"{args.out_dir}/model.pt")
     log(f"saved {args.out_dir}/model.pt after {step} steps")
     return 0
@@ -535,8 +531,7 @@ def place():
 
 
 def checked(out):
-    """compute_loss's result, its contract checked, as (the mean x its count, the count, the
-    metrics). A mean over no items (0/0: every token ignored) weighs nothing."""
+    """compute_loss's result, its contract checked; a mean of no items (0/0) weighs nothing."""
     loss, n, metrics = (
         [*out, {}][:3] if isinstance(out, tuple) and len(out) in (2, 3) else [out] * 3
     )
@@ -546,11 +541,17 @@ def checked(out):
             f"over count items, a 0-dim tensor; it returned {type(out).__name__}"
             f"{f', a loss of shape {list(loss.shape)}: its mean' if torch.is_tensor(loss) else ''}"
         )
-    return torch.where(n > 0, loss * n, 0.0) if torch.is_tensor(n) else loss * n, n, metrics
+    if torch.is_tensor(n):
+        loss = torch.where(n > 0, loss, 0.0)
+    elif not n:
+        loss = loss.nan_to_num()
+    return loss, n, metrics
 
 
 def to_device(batch, device):
     """A batch on the device: its tensors, in any nesting of tuples, lists and dicts."""
+    if device.type == "cpu":
+        return batch
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
@@ -559,7 +560,7 @@ def to_device(batch, device):
 
 
 def ignore_signals(worker_id):
-    """A DataLoader worker exits on a SIGTERM from anyone but its parent (torchrun, SLURM and
+    """Trap: a DataLoader worker exits on a SIGTERM from anyone but its parent (torchrun, SLURM and
     terminals signal whole process groups): the stop signals are the trainer's."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
@@ -593,8 +594,7 @@ def set_rng_state(state):
 
 
 def read_checkpoint(out_dir):
-    """(path, checkpoint) of the out-dir's checkpoint, or of the one before where that is damaged,
-    read onto the CPU; (None, None) for a new run. If neither reads, the run stops."""
+    """(path, checkpoint): the out-dir's, or the one before where that is damaged; (None, None)."""
     tried = []
     for path in f"{out_dir}/checkpoint.pt", f"{out_dir}/checkpoint.prev.pt":
         if os.path.exists(path):
