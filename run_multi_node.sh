@@ -28,9 +28,9 @@
 # Elastic: NNODES=1:2 runs with whatever nodes are there, from MIN to MAX. A node that is lost (killed,
 # or cut off: noticed within --timeout) costs the steps since the last checkpoint and one rendezvous:
 # the survivors restart their workers, which resume at the smaller world size. A node that joins makes
-# the running ones stop at the next step, save, and resume with it. Give ddp_train.py --global-batch, so
-# that every world size continues the same run. The node at MASTER_ADDR hosts the rendezvous: it must
-# stay. Each restart after a failure costs one of MAX_RESTARTS; a join costs none.
+# the running ones stop at the next step, save, and resume with it. The run keeps its global batch on
+# every world size (more or fewer micro-batches a step). The node at MASTER_ADDR hosts the rendezvous: it
+# must stay. Each restart after a failure costs one of MAX_RESTARTS; a join costs none.
 #
 # Timeouts: every node waits up to TIMEOUT (300 s) for node 0's port and for all nodes to join; a TIMEOUT
 # you set is also ddp_train.py's --timeout for a collective (else its own default, 30 min, which a cold
@@ -40,8 +40,8 @@
 # still running 15 s after that. The workers exit 75 once their checkpoint is saved, torchrun and this
 # script 1. (To stop its workers for a restart, as when a node joins, torchrun keeps its own 30 s.) On
 # SLURM, scancel, a requeue and the time limit send SIGKILL KillWait seconds (default 30) after their
-# SIGTERM, whatever SHUTDOWN_TIMEOUT is: see docs/fault-tolerance.md. It prints the timeouts and the exact torchrun
-# command on stderr before it starts.
+# SIGTERM, whatever SHUTDOWN_TIMEOUT is: see docs/multi-node.md. It prints the timeouts and the exact
+# torchrun command on stderr before it starts.
 #
 # SLURM: `--slurm` takes NNODES, NODE_RANK, RDZV_ID and NPROC_PER_NODE from the job step, MASTER_ADDR
 # from the first host of the step's nodes, and MASTER_PORT from the job and step ids. One torchrun per
