@@ -267,7 +267,12 @@ def train(args, device, rank, world):
     # DDP: the wrap. It broadcasts rank 0's weights, then averages the gradients in backward.
     ddp_model = model
     if world > 1:
-        ddp_model = DDP(model, find_unused_parameters=args.find_unused_parameters)
+        # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets (no copies)
+        ddp_model = DDP(
+            model,
+            find_unused_parameters=args.find_unused_parameters,
+            gradient_as_bucket_view=True,
+        )
     forward = torch.compile(ddp_model) if args.compile else ddp_model
     # small messages over gloo: beside NCCL a group of their own; on CPUs the default one (cheaper)
     gloo = dist.new_group(backend="gloo") if world > 1 and device.type == "cuda" else None
@@ -367,7 +372,7 @@ def train(args, device, rank, world):
     # this rank's loss sum and count since the last fold, and that fold's step
     sums, folded = torch.zeros(2, dtype=torch.float64, device=device), [step]
     loss_sum, count = sums
-    stop, pending, flag, first = False, None, None, step
+    first = step
     started = line_at = time.perf_counter()
     while step < total_steps:
         epoch, done = divmod(step, steps_per_epoch)
@@ -380,6 +385,11 @@ def train(args, device, rank, world):
         data, end = iter(loader), min(total_steps, (epoch + 1) * steps_per_epoch)
         epoch_at = time.perf_counter()
         while step < end:
+            # DDP: a stop signal on any rank stops every rank after the same step: this rank's flag
+            # rides an asynchronous all-reduce over gloo, sent now and read at the step's end
+            if world > 1:
+                flag = torch.tensor(float(bool(signals)))
+                agreement = dist.all_reduce(flag, group=gloo, async_op=True)
             # this rank's count in this step, and what its means are weighed against
             counts, expected = 0, progress["count"]
             for i in range(accum):
@@ -425,14 +435,8 @@ def train(args, device, rank, world):
                 line_at = now
             if args.eval_every and step % args.eval_every == 0 and step < end and eval_set:
                 emit("eval", evaluate())
-            # DDP: a stop signal on any rank stops all after the same step: each step sends this
-            # rank's flag in an asynchronous all-reduce over gloo, and reads the last step's.
-            if world > 1:
-                stop = pending is not None and pending.wait() and flag.item() > 0
-                flag = torch.tensor(float(bool(signals)))
-                pending = dist.all_reduce(flag, group=gloo, async_op=True)
-            else:
-                stop = bool(signals)
+            # all ranks: a stop signal on any of them, as the step's start saw it
+            stop = agreement.wait() and flag.item() > 0 if world > 1 else bool(signals)
             if stop:
                 break
             if args.save_every and step % args.save_every == 0 and step < end:
@@ -440,19 +444,15 @@ def train(args, device, rank, world):
         if step == end:  # the end of an epoch, or of the run: all ranks
             fold()
             (total, counted), progress["epoch"] = progress["epoch"], [0.0, 0.0]
-            samples, seconds = (
-                (step - epoch * steps_per_epoch) * batch,
-                time.perf_counter() - epoch_at,
-            )
+            samples = (step - epoch * steps_per_epoch) * batch
             figures = {"train_loss": total / counted, f"train_{COUNT_UNIT}": counted, "lr": lr}
-            figures |= {"train_samples": samples, "world_size": world, "epoch_s": seconds}
+            figures |= {"train_samples": samples, "world_size": world}
+            figures["epoch_s"] = time.perf_counter() - epoch_at
             emit("epoch", figures | (evaluate() if eval_set else {}))
         save_checkpoint()
         if stop and step < total_steps:
             log(f"stopped by a signal at step {step}; checkpoint saved: rerun to resume (exit 75)")
             return 75
-    if pending:
-        pending.wait()
     # Trap: save the raw module: DDP prefixes each key with "module.", compile "_orig_mod."
     if rank == 0:
         atomic_save(model.state_dict(), f"{args.out_dir}/model.pt")
