@@ -657,9 +657,13 @@ def test_bf16_autocast_trains_on_the_cpu_too(tmp_path, reference):
     assert 0 < abs(r.records("epoch")[-1]["eval_loss"] - fp32) < 0.1 * fp32
 
 
-def test_a_compiled_model_trains_and_saves_a_plain_state_dict(tmp_path):
-    r = run(python_cmd(*SMALL[:-5], 1, "--batch-size", 32, "--compile"), tmp_path, timeout=300)
-    build_model(args_of()).load_state_dict(r.weights)
+def test_a_compiled_ddp_model_trains_the_same_run_and_saves_a_plain_state_dict(tmp_path, reference):
+    # torchrun 2 x 16, compiled (the DDP model: DDPOptimizer splits the graph at its buckets), against
+    # one eager process x 32
+    args = [*SMALL[:-5], 1, "--log-every", 0, "--batch-size"]
+    r = run(torchrun_cmd(2, *args, 16, "--compile"), tmp_path, timeout=300)
+    build_model(args_of()).load_state_dict(r.weights)  # strict: no "_orig_mod." or "module."
+    assert_same_weights(r.weights, reference(python_cmd(*args, 32)).weights)
 
 
 # ---------------------------------------------------------------------------
