@@ -16,6 +16,7 @@ DDP adds to a plain loop says "DDP:", each classic trap "Trap:". Then a few smal
 """
 
 import argparse
+import collections
 import contextlib
 import datetime
 import gc
@@ -84,7 +85,8 @@ def compute_loss(model, batch):
     and evaluation. loss: the MEAN over count items, as F.cross_entropy returns it. count: an int or
     a 0-dim tensor, the samples (or a language model's real tokens, (labels != -100).sum(), with
     COUNT_UNIT = "tokens"). metrics: means over the same items ("accuracy": eval_accuracy). Each
-    mean is weighed by its count: every gradient and figure is the exact mean of a step's items."""
+    mean is weighed by its count: every gradient and figure is the exact mean of a step's items (a
+    mean of no items weighs nothing, but its gradient must be finite, as F.cross_entropy's is)."""
     inputs, targets = batch
     logits = model(inputs).float()
     metrics = {} if model.training else {"accuracy": (logits.argmax(1) == targets).float().mean()}
@@ -164,8 +166,7 @@ def run(args):
             # workers would find the dead ones' addresses (pytorch/pytorch#135712): a prefix each
             agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), timeout=timeout)
             store = dist.PrefixStore(f"restart{env['TORCHELASTIC_RESTART_COUNT']}", agent)
-        # DDP: join the process group: NCCL on GPUs, gloo on CPUs. The timeout makes a missing peer
-        # an error, not a hang.
+        # DDP: join the process group: NCCL on GPUs, gloo on CPUs (a missing peer: an error in time)
         backend = "nccl" if device.type == "cuda" else "gloo"
         try:
             dist.init_process_group(
@@ -197,6 +198,7 @@ def train(args, device, rank, world):
     seed_everything(args.seed)  # the same initial weights, whatever the world size
     model = build_model(args).to(device)
     if args.sync_bn:
+        check(device.type == "cuda", "--sync-bn needs GPUs (SyncBatchNorm runs on CUDA)")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     path, ckpt = read_checkpoint(args.out_dir)  # the out-dir's last checkpoint: the run resumes
     # DDP: a step's global batch is per process x world size x accumulation. A run resumed on
@@ -250,6 +252,10 @@ def train(args, device, rank, world):
         if len(rngs) == world:
             set_rng_state(rngs[rank])
         log(f"resumed from {path} at step {progress['step']}, saved by {len(rngs)} process(es)")
+    if world > 1:  # Trap: a checkpoint that only some nodes see: they would train different steps
+        starts = [None] * world
+        dist.all_gather_object(starts, progress["step"])
+        check(len(set(starts)) == 1, f"the ranks start at steps {starts}: a shared --out-dir")
     # DDP: each rank reads its own share of each epoch's shuffle (drop_last: equal shares)
     sampler = DistributedSampler(train_set, world, rank, seed=args.seed, drop_last=True)
     options = dict(  # the DataLoaders'
@@ -296,7 +302,7 @@ def train(args, device, rank, world):
             f"compute_loss counted {counted:g} for {samples} samples, but COUNT_UNIT is samples: "
             'return the sample count, or set COUNT_UNIT to what it counts ("tokens")',
         )
-        for totals in progress["epoch"], progress["line"]:
+        for totals in progress["epoch"], progress["line"], ran:
             totals[:] = totals[0] + total, totals[1] + counted
 
     @torch.no_grad()
@@ -304,22 +310,21 @@ def train(args, device, rank, world):
         """All ranks: the means over the eval set, each sample once (DistributedSampler pads)."""
         for buffer in model.buffers() if world > 1 else ():
             dist.broadcast(buffer, 0)  # DDP: rank 0's BatchNorm statistics: the model rank 0 saves
-        sums, count, ours = {}, 0.0, range(rank, len(eval_set), world)  # r, r + world size...
+        sums, ours = collections.Counter(), range(rank, len(eval_set), world)  # r, r + world...
         model.eval()
         for inputs in DataLoader(eval_set, args.batch_size, sampler=ours, **options):
             with autocast:
                 loss, n, metrics = checked(compute_loss(model, to_device(inputs, device)))
-            count += float(n)
+            sums["items"] += float(n)  # (no metric's key: theirs begin with eval_)
             for name, mean in {"loss": loss, **metrics}.items():
-                sums[f"eval_{name}"] = sums.get(f"eval_{name}", 0.0) + (
-                    float(mean * n) if n else 0.0
-                )
+                sums[f"eval_{name}"] += float(mean * n) if n else 0.0  # (no items: 0/0)
         model.train()
-        every = [(count, sums)] * world
+        every = [sums] * world
         if world > 1:
-            dist.all_gather_object(every, every[0], group=gloo)  # DDP: every rank's sums, added
-        count = sum(c for c, _ in every)
-        figures = {k: sum(s.get(k, 0.0) for _, s in every) / count for k in sums}
+            dist.all_gather_object(every, sums, group=gloo)  # DDP: every rank's sums, added
+        totals = {k: sum(s[k] for s in every) for k in sums}
+        count = totals.pop("items")
+        figures = {k: v / count for k, v in totals.items()}
         figures["eval_samples"] = len(eval_set)  # the ranks' shares: every sample once
         if COUNT_UNIT != "samples":
             figures[f"eval_{COUNT_UNIT}"] = count
@@ -369,11 +374,10 @@ def train(args, device, rank, world):
     signals = []
     for sig in STOP_SIGNALS:  # Trap: a handler only notes the signal: a collective in one deadlocks
         signal.signal(sig, lambda signum, frame: signals.append(signum))
-    # this rank's loss sum and count since the last fold, and that fold's step
-    sums, folded = torch.zeros(2, dtype=torch.float64, device=device), [step]
+    # this rank's loss sum and count since the last fold, its step; all ranks' items in this run
+    sums, folded, ran = torch.zeros(2, dtype=torch.float64, device=device), [step], [0.0, 0.0]
     loss_sum, count = sums
-    first = step
-    started = line_at = time.perf_counter()
+    first, started = step, time.perf_counter()
     while step < total_steps:
         epoch, done = divmod(step, steps_per_epoch)
         sampler.set_epoch(epoch)  # Trap: without it every epoch repeats the first one's shuffle
@@ -388,7 +392,7 @@ def train(args, device, rank, world):
             # DDP: a stop signal on any rank stops every rank after the same step: this rank's flag
             # rides an asynchronous all-reduce over gloo, sent now and read at the step's end
             if world > 1:
-                flag = torch.tensor(float(bool(signals)))
+                flag = torch.tensor(len(signals))
                 agreement = dist.all_reduce(flag, group=gloo, async_op=True)
             # this rank's count in this step, and what its means are weighed against
             counts, expected = 0, progress["count"]
@@ -409,9 +413,9 @@ def train(args, device, rank, world):
                 counts = torch.as_tensor(counts, dtype=torch.float64, device=device)
                 if world > 1:
                     dist.all_reduce(counts)
+                progress["count"] = counts = counts.clamp(min=1)  # (no token at all: no gradient)
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
                 torch._foreach_mul_(grads, (expected / counts).to(grads[0].dtype))
-                progress["count"] = counts
             log_now = args.log_every and (step + 1) % args.log_every == 0
             if args.clip_grad_norm or log_now:
                 for opt in optimizers:
@@ -427,16 +431,14 @@ def train(args, device, rank, world):
             if log_now:  # all ranks fold; rank 0 prints
                 fold()
                 (total, counted), progress["line"] = progress["line"], [0.0, 0.0]
-                now = time.perf_counter()
-                rate = counted / (now - line_at)
-                eta = (now - started) / (step - first) * (total_steps - step)
+                seconds = time.perf_counter() - started
+                eta = seconds / (step - first) * (total_steps - step)
                 figures = {"train_loss": total / counted, "lr": lr, "grad_norm": norm.item()}
-                emit("progress", figures | {f"{COUNT_UNIT}_per_s": rate, "eta_s": eta})
-                line_at = now
+                emit("progress", figures | {f"{COUNT_UNIT}_per_s": ran[1] / seconds, "eta_s": eta})
             if args.eval_every and step % args.eval_every == 0 and step < end and eval_set:
                 emit("eval", evaluate())
             # all ranks: a stop signal on any of them, as the step's start saw it
-            stop = agreement.wait() and flag.item() > 0 if world > 1 else bool(signals)
+            stop = agreement.wait() and flag.item() if world > 1 else signals
             if stop:
                 break
             if args.save_every and step % args.save_every == 0 and step < end:
@@ -490,9 +492,7 @@ FLAGS = [
 
 
 def parse_args(argv=None):
-    p = Parser(
-        prog=PROG, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = Parser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for name, default, help in FLAGS:
         if default is False:
             p.add_argument(f"--{name}", action="store_true", help=help)

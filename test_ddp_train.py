@@ -250,6 +250,28 @@ def test_one_sgd_step_over_tokens_is_w0_minus_lr_times_the_gradient_of_their_mea
     assert gap(r.weights, summed) > 1e-2
 
 
+def test_a_step_without_a_single_token_changes_nothing(project, tmp_path):
+    # "masked", 2 samples a step: steps 1 and 3 hold one token each (samples 19 and 69), step 2 none.
+    # SGD: w3 = w0 - lr x the two tokens' gradients in turn, at the cosine's lr of steps 1 and 3 (x 1,
+    # x 0.25); the empty step neither moves the weights nor poisons them.
+    args = ["--num-samples", 100, *ONE_STEP[2:], "--max-steps", 3, "--batch-size", 2]
+    r = run(user_cmd(project, "python", *args), tmp_path, env=clean_env(VARIANT="sgd,masked"))
+    x, y = build_datasets(args_of("--num-samples", 100))[0].tensors
+    assert [i for i in shuffle(100, 0)[:6] if i % 10 == 9] == [19, 69]
+    torch.manual_seed(0)
+    model, losses = build_model(args_of()), []
+    for i, lr in ((19, 0.5), (69, 0.125)):
+        weights, loss = sgd_step(model, lambda m: F.cross_entropy(m(x[[i]].double()), y[[i]]), lr)
+        model.load_state_dict(weights)
+        model.zero_grad()
+        losses.append(loss)
+    assert gap(r.weights, weights) < 1e-5, gap(r.weights, weights)
+    epoch = r.records("epoch")[0]
+    assert epoch["train_tokens"] == 2 and epoch["train_loss"] == pytest.approx(
+        sum(losses) / 2, rel=1e-6
+    )
+
+
 @tier
 def test_one_sgd_step_of_a_language_model_is_w0_minus_lr_times_the_gradient_of_its_token_mean(
     project, tmp_path
@@ -577,6 +599,7 @@ MISTAKES = {
         "do not fill one global batch of 64: lower --batch-size",
     ),
     "bad value": (["--batch-size", 0], {}, "--grad-accum and --num-samples are at least 1"),
+    "--sync-bn on CPUs": (["--sync-bn"], {}, "--sync-bn needs GPUs"),
     "not a number": (
         ["--lr", "fast"],
         {},
@@ -635,6 +658,32 @@ def test_a_classic_mistake_is_one_line_naming_the_fix_and_costs_nothing(
     ), r
     assert "Traceback" not in r.stderr and r.stderr.count("ddp_train.py: error:") == 1, r
     assert {p.name: p.read_bytes() for p in out.glob("*")} == before
+
+
+def test_a_checkpoint_that_only_one_node_sees_is_one_line(tmp_path, reference):
+    # Two processes started by hand as two nodes without shared storage: each in a directory of its own
+    # with a relative --out-dir, rank 0's holding a checkpoint, rank 1's none. They would train different
+    # steps (and hang at the end): both stop at once, and rank 0 says why.
+    env = dict(WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), TIMEOUT=60)
+    shutil.copytree(reference(python_cmd(*SMALL)).out_dir, tmp_path / "node0/out")
+    (tmp_path / "node1").mkdir()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "node0/out").iterdir()}
+    nodes = [
+        Launch(
+            python_cmd(*SMALL[:-3], 16, "--log-every", 0, "--out-dir", "out"),
+            tmp_path,
+            f"node{i}",
+            env=clean_env(RANK=i, LOCAL_RANK=i, **env),
+            cwd=tmp_path / f"node{i}",
+        )
+        for i in range(2)
+    ]
+    with nodes[0], nodes[1]:
+        assert [n.wait() for n in nodes] == [2, 2], nodes[0].stderr + nodes[1].stderr
+    says = "ddp_train.py: error: the ranks start at steps [62, 0]: a shared --out-dir"
+    assert last_line(nodes[0].stderr) == says and not nodes[1].stderr, nodes[0].stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "node0/out").iterdir()} == before
+    assert not (tmp_path / "node1/out").exists()
 
 
 # ---------------------------------------------------------------------------
