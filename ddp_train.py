@@ -252,24 +252,26 @@ def train(args, device, rank, world):
         if len(rngs) == world:
             set_rng_state(rngs[rank])
         log(f"resumed from {path} at step {progress['step']}, saved by {len(rngs)} process(es)")
+    # DDP: each rank reads its own share of each epoch's shuffle (drop_last: equal shares)
+    sampler = DistributedSampler(train_set, world, rank, seed=args.seed, drop_last=True)
+    # The DataLoaders' options. Trap: ignore_signals, else torchrun's SIGTERM kills the workers and the
+    # trainer dies before it saves. Trap: a generator of the rank's own, else their workers' seeds are
+    # drawn from the global generator (dropout's), and the same on every rank.
+    options = dict(collate_fn=collate_fn, num_workers=args.workers, worker_init_fn=ignore_signals)
+    options |= dict(persistent_workers=args.workers > 0, pin_memory=device.type == "cuda")
+    options["generator"] = torch.Generator().manual_seed(args.seed + 1 + rank)
+    micro_batches = []  # this rank's micro-batches of an epoch: set before each pass
+    loader = DataLoader(train_set, batch_sampler=micro_batches, **options)
+    eval_set = eval_set or []  # rank r evaluates samples r, r + world size... (no padding)
+    ours = range(rank, len(eval_set), world)
+    eval_loader = DataLoader(eval_set, args.batch_size, sampler=ours, **options)
+    # Trap: their workers start now, once, before any collective: a fork while a gloo or NCCL thread
+    # frees a finished one deadlocks the child on Python before 3.12 (CPython issue 112275)
+    iter(loader), iter(eval_loader)
     if world > 1:  # Trap: a checkpoint that only some nodes see: they would train different steps
         starts = [None] * world
         dist.all_gather_object(starts, progress["step"])
         check(len(set(starts)) == 1, f"the ranks start at steps {starts}: a shared --out-dir")
-    # DDP: each rank reads its own share of each epoch's shuffle (drop_last: equal shares)
-    sampler = DistributedSampler(train_set, world, rank, seed=args.seed, drop_last=True)
-    options = dict(  # the DataLoaders'
-        collate_fn=collate_fn,
-        num_workers=args.workers,
-        persistent_workers=args.workers > 0,  # (started once, not at every pass)
-        pin_memory=device.type == "cuda",
-        # Trap: else torchrun's SIGTERM kills the workers, and the trainer dies before it saves
-        worker_init_fn=ignore_signals,
-        # Trap: else each pass draws its workers' seed from the global generator, dropout's
-        generator=torch.Generator(),
-    )
-    micro_batches = []  # this rank's micro-batches of an epoch: set before each pass
-    loader = DataLoader(train_set, batch_sampler=micro_batches, **options)
     # DDP: the wrap. It broadcasts rank 0's weights, then averages the gradients in backward.
     ddp_model = model
     if world > 1:
@@ -310,9 +312,9 @@ def train(args, device, rank, world):
         """All ranks: the means over the eval set, each sample once (DistributedSampler pads)."""
         for buffer in model.buffers() if world > 1 else ():
             dist.broadcast(buffer, 0)  # DDP: rank 0's BatchNorm statistics: the model rank 0 saves
-        sums, ours = collections.Counter(), range(rank, len(eval_set), world)  # r, r + world...
+        sums = collections.Counter()
         model.eval()
-        for inputs in DataLoader(eval_set, args.batch_size, sampler=ours, **options):
+        for inputs in eval_loader:
             with autocast:
                 loss, n, metrics = checked(compute_loss(model, to_device(inputs, device)))
             sums["items"] += float(n)  # (no metric's key: theirs begin with eval_)
@@ -322,7 +324,9 @@ def train(args, device, rank, world):
         every = [sums] * world
         if world > 1:
             dist.all_gather_object(every, sums, group=gloo)  # DDP: every rank's sums, added
-        totals = {k: sum(s[k] for s in every) for k in sums}
+        totals = collections.Counter()
+        for s in every:
+            totals.update(s)
         count = totals.pop("items")
         figures = {k: v / count for k, v in totals.items()}
         figures["eval_samples"] = len(eval_set)  # the ranks' shares: every sample once
@@ -339,7 +343,7 @@ def train(args, device, rank, world):
             ]
             print(f"{kind:>8}  step {step}/{total_steps}", *shown[2:], sep="  ", flush=True)
             with open(f"{args.out_dir}/metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+                print(json.dumps(record), file=f)
             report(record)
 
     def save_checkpoint():
@@ -369,7 +373,7 @@ def train(args, device, rank, world):
         f"{device}, {torch.get_num_threads()} thread(s)/process, torch {torch.__version__}\n"
         f"global batch {batch} = {args.batch_size}/process x {world} x {accum} accum, "
         f"{steps_per_epoch} steps/epoch (each leaves out {len(train_set) % batch} of its "
-        f"{len(train_set):,} samples), {len(eval_set or ()):,} eval samples"
+        f"{len(train_set):,} samples), {len(eval_set):,} eval samples"
     )
     signals = []
     for sig in STOP_SIGNALS:  # Trap: a handler only notes the signal: a collective in one deadlocks
@@ -385,7 +389,6 @@ def train(args, device, rank, world):
         # share of them is the same stretch of its own share. A resumed epoch skips the steps done.
         mine, each = list(sampler), args.batch_size
         micro_batches[:] = [mine[i : i + each] for i in range(done * accum * each, len(mine), each)]
-        loader.generator.manual_seed(args.seed + epoch)  # workers: seeded by their first epoch
         data, end = iter(loader), min(total_steps, (epoch + 1) * steps_per_epoch)
         epoch_at = time.perf_counter()
         while step < end:
@@ -550,8 +553,6 @@ def checked(out):
 
 def to_device(batch, device):
     """A batch on the device: its tensors, in any nesting of tuples, lists and dicts."""
-    if device.type == "cpu":
-        return batch
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
@@ -624,9 +625,9 @@ def atomic_save(obj, path, previous=None):
     os.replace(f"{path}.tmp", path)
 
 
-def log(message):
+def log(*args, **kwargs):
     if os.environ.get("RANK", "0") == "0":  # DDP: one log: rank 0's
-        print(message, flush=True)
+        print(*args, **kwargs, flush=True)
 
 
 def check(ok, message):
@@ -636,8 +637,7 @@ def check(ok, message):
 
 def fail(message, code=2, every_rank=False):
     """Stop with one line, no traceback: from rank 0 (all ranks have the same to say), or each."""
-    if every_rank or os.environ.get("RANK", "0") == "0":
-        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    (print if every_rank else log)(f"{PROG}: error: {message}", file=sys.stderr)
     raise SystemExit(code)
 
 
