@@ -283,7 +283,9 @@ def train(args, device, rank, world):
         )
     forward = torch.compile(ddp_model) if args.compile else ddp_model
     # small messages over gloo: beside NCCL a group of their own; on CPUs the default one (cheaper)
-    gloo = dist.new_group(backend="gloo") if world > 1 and device.type == "cuda" else None
+    gloo = None
+    if world > 1 and device.type == "cuda":  # (its timeout is torch's 30 min unless it is given)
+        gloo = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))
 
     def fold():
         """All ranks: every rank's loss sum and count since the last fold, added to the epoch's and
@@ -495,7 +497,10 @@ FLAGS = [
 
 
 def parse_args(argv=None):
-    p = Parser(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.error = lambda message: fail(f"{message} (see --help)")  # one line, not argparse's usage
     for name, default, help in FLAGS:
         if default is False:
             p.add_argument(f"--{name}", action="store_true", help=help)
@@ -512,11 +517,6 @@ def parse_args(argv=None):
     )
     check(args.amp in ("off", "bf16", "fp16"), f"--amp is off, bf16 or fp16, not {args.amp}")
     return args
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        fail(f"{message} (see --help)")
 
 
 def place():
