@@ -70,7 +70,7 @@ def build_datasets(args):
         x = torch.randn(n, FEATURES, generator=gen)
         return InMemory(x, (x @ teacher).argmax(dim=1))
 
-    return make(args.num_samples), make(args.eval_samples) if args.eval_samples else None
+    return make(args.num_samples), make(args.eval_samples)  # (an empty eval set: no evaluation)
 
 
 def build_model(args):
@@ -246,7 +246,7 @@ def train(args, device, rank, world):
                 for obj, state in zip(objects, ckpt[name], strict=True):
                     obj.load_state_dict(state)
         except (RuntimeError, ValueError, KeyError) as exc:
-            fail(f"{path} is of another model or optimizer: {one_line(exc)}. Build the same ones")
+            fail(f"{path} is of another model, optimizer or --amp: {one_line(exc)}. Use theirs")
         # every rank's generators as they were (on another world size: the fresh ones just seeded)
         progress, rngs = ckpt["progress"], ckpt["rng"]
         if len(rngs) == world:
@@ -441,6 +441,7 @@ def train(args, device, rank, world):
                 figures = {"train_loss": total / counted, "lr": lr, "grad_norm": norm.item()}
                 emit("progress", figures | {f"{COUNT_UNIT}_per_s": ran[1] / seconds, "eta_s": eta})
             if args.eval_every and step % args.eval_every == 0 and step < end and eval_set:
+                fold()  # first: a non-finite loss stops every rank before a record holds it
                 emit("eval", evaluate())
             # all ranks: a stop signal on any of them, as the step's start saw it
             stop = agreement.wait() and flag.item() if world > 1 else signals
