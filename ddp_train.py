@@ -158,6 +158,7 @@ def run(args):
         # DDP: a GPU per process, current before anything touches CUDA (srun --gpus-per-task=1: 0)
         device = torch.device("cuda", local_rank % gpus)
         torch.cuda.set_device(device)
+    gloo = None  # small messages (the stop flag, generators, a barrier): on CPUs the default group
     if world > 1:
         env, store = os.environ, None
         timeout = datetime.timedelta(seconds=args.timeout)
@@ -180,8 +181,10 @@ def run(args):
                 code=1,
                 every_rank=True,
             )
+        if device.type == "cuda":  # beside NCCL, a gloo group of their own
+            gloo = dist.new_group(backend="gloo", timeout=timeout)
     try:
-        return train(args, device, rank, world)
+        return train(args, device, rank, world, gloo)
     except BaseException as exc:
         traceback.clear_frames(exc.__traceback__)  # Trap: they hold the DDP model and the loaders
         raise
@@ -191,7 +194,7 @@ def run(args):
             dist.destroy_process_group()  # DDP: leave the process group, also after an error
 
 
-def train(args, device, rank, world):
+def train(args, device, rank, world, gloo):
     """Every rank runs every line together; rank 0 alone prints, writes. Returns the exit code."""
     seed_everything(args.seed)  # first: a random split in build_datasets agrees across ranks
     train_set, eval_set = build_datasets(args)
@@ -282,10 +285,6 @@ def train(args, device, rank, world):
             gradient_as_bucket_view=True,
         )
     forward = torch.compile(ddp_model) if args.compile else ddp_model
-    # small messages over gloo: beside NCCL a group of their own; on CPUs the default one (cheaper)
-    gloo = None
-    if world > 1 and device.type == "cuda":  # (its timeout is torch's 30 min unless it is given)
-        gloo = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))
 
     def fold():
         """All ranks: every rank's loss sum and count since the last fold, added to the epoch's and
