@@ -56,7 +56,7 @@ class InMemory(TensorDataset):
     """The default task's tensors: a whole batch at once (one gather, not a loop over samples)."""
 
     def __getitems__(self, indices):
-        rows = torch.tensor(indices, dtype=torch.int64)
+        rows = torch.tensor(indices)
         return tuple(tensor.index_select(0, rows) for tensor in self.tensors)
 
 
@@ -191,7 +191,11 @@ def run(args):
     finally:
         gc.collect()  # Trap: the DDP model freed before its process group: gloo can abort at exit
         if dist.is_initialized():
+            # Trap: torch < 2.8 frees a group holding the GIL, which a gloo thread freeing a tensor
+            # may wait for (a rare hang at exit): gloo's part outlives it, then goes without the GIL
+            keep = (gloo or dist.group.WORLD)._get_backend(device)
             dist.destroy_process_group()  # DDP: leave the process group, also after an error
+            del keep  # (pytorch/pytorch#154976)
 
 
 def train(args, device, rank, world, gloo):
@@ -275,15 +279,12 @@ def train(args, device, rank, world, gloo):
         starts = [None] * world
         dist.all_gather_object(starts, progress["step"])
         check(len(set(starts)) == 1, f"the ranks start at steps {starts}: a shared --out-dir")
-    # DDP: the wrap. It broadcasts rank 0's weights, then averages the gradients in backward.
-    ddp_model = model
-    if world > 1:
-        # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets (no copies)
-        ddp_model = DDP(
-            model,
-            find_unused_parameters=args.find_unused_parameters,
-            gradient_as_bucket_view=True,
-        )
+    # DDP: the wrap: it broadcasts rank 0's weights, then averages the gradients in its buckets
+    ddp_model = (
+        DDP(model, find_unused_parameters=args.find_unused_parameters, gradient_as_bucket_view=True)
+        if world > 1
+        else model
+    )
     forward = torch.compile(ddp_model) if args.compile else ddp_model
 
     def fold():
