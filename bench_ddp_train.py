@@ -18,6 +18,8 @@ median and min-max over the rounds, then the ratios, each taken within a round.
     python bench_ddp_train.py               # 6 rounds, about 8 minutes on 2 cores
     python bench_ddp_train.py --quick       # 1 short round: checks that everything runs
     python bench_ddp_train.py --size        # ddp_train.py's code tokens (Python 3.11's tokenizer)
+    python bench_ddp_train.py --against OLD.py   # also ddp_1 and ddp_2 with another version of the
+                                                 # script (git show REV:ddp_train.py > OLD.py), side by side
     python bench_ddp_train.py --gpu-modes   # make test-gpu's table: a short run in every GPU mode
 """
 
@@ -46,6 +48,9 @@ CONFIGS = {  # key: (processes, program)
 }
 RATIOS = {("ddp_1", "hand_1"): 0.95, ("ddp_2", "tutorial_2"): 1.10, ("lm_1", "lm_hand_1"): 0.97}
 RATIOS[("lm_2", "lm_hand_2")] = 0.97
+# --against OLD.py: the same two runs with another version of the script; "not worse": about 1
+AGAINST = {"against_1": (1, "against"), "against_2": (2, "against")}
+AGAINST_RATIOS = {("ddp_1", "against_1"): 1.0, ("ddp_2", "against_2"): 1.0}
 TINYLM = """import sys
 sys.path[:0] = [{here!r}, {examples!r}]
 import ddp_train, tinylm
@@ -184,8 +189,9 @@ BASELINES = {"hand": hand_written_loop, "tutorial": tutorial_ddp, "lm_hand": tin
 
 def command(opts, nproc, program, out: Path) -> list[str]:
     common = ["--epochs", str(opts.epochs), "--batch-size", str(opts.batch_size)]
-    if program == "ddp_train":
-        script = [str(HERE / "ddp_train.py"), *common, "--num-samples", str(opts.num_samples)]
+    if program in ("ddp_train", "against"):
+        path = opts.against if program == "against" else HERE / "ddp_train.py"
+        script = [str(path), *common, "--num-samples", str(opts.num_samples)]
     elif program == "lm":
         (out / "tinylm_run.py").write_text(
             TINYLM.format(here=str(HERE), examples=str(HERE / "examples"), samples=opts.lm_samples)
@@ -195,7 +201,7 @@ def command(opts, nproc, program, out: Path) -> list[str]:
         script = [str(HERE / "bench_ddp_train.py"), "--baseline", program, *common]
         script += ["--num-samples", str(opts.num_samples), "--lm-samples", str(opts.lm_samples)]
         script += ["--metrics", str(out / "metrics.jsonl")]
-    if program in ("ddp_train", "lm"):
+    if program in ("ddp_train", "against", "lm"):
         script += ["--out-dir", str(out)]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return [sys.executable, *(launcher if nproc > 1 else []), *script]
@@ -203,7 +209,7 @@ def command(opts, nproc, program, out: Path) -> list[str]:
 
 def run_once(opts, key, workdir: Path) -> float:
     """One configuration's run; its median throughput over the epochs after the first."""
-    nproc, program = CONFIGS[key]
+    nproc, program = {**CONFIGS, **AGAINST}[key]
     out = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=workdir))
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
@@ -234,17 +240,19 @@ def benchmark(opts):
         f"{opts.batch_size}/process; torch {torch.__version__}, {os.cpu_count()} CPU cores",
         flush=True,
     )
-    results = {key: [] for key in CONFIGS}
+    configs = {**CONFIGS, **(AGAINST if opts.against else {})}
+    ratios = {**RATIOS, **(AGAINST_RATIOS if opts.against else {})}
+    results = {key: [] for key in configs}
     with tempfile.TemporaryDirectory(prefix="bench_ddp_train-") as workdir:
         for round_no in range(opts.rounds):
-            for key in CONFIGS:
+            for key in configs:
                 results[key].append(run_once(opts, key, Path(workdir)))
             print(f"  round {round_no + 1}/{opts.rounds} done", flush=True)
     print(f"\n{'configuration':<14} {'samples/s (lm_*: tokens/s), median (min-max)':>48}")
     for key, rates in results.items():
         print(f"{key:<14} {spread(rates, lambda v: f'{v:,.0f}'):>48}")
     print(f"\n{'ratio (within each round)':<28} {'median (min-max)':>24} {'target':>8}")
-    for (a, b), target in RATIOS.items():
+    for (a, b), target in ratios.items():
         ratios = [x / y for x, y in zip(results[a], results[b])]
         print(
             f"{a + ' / ' + b:<28} {spread(ratios, lambda v: f'{v:.2f}x'):>24} {'>= %.2f' % target:>8}"
@@ -351,7 +359,7 @@ def resumed(cmd, out: Path, env, whole) -> int:
 def code_tokens(path=HERE / "ddp_train.py") -> dict:
     """The file's code tokens (Python's tokenize, without comments, strings, newlines, indentation and
     f-string parts: what a reader reads as code, whatever the formatting), and the lesson's: those
-    above the line "THE LESSON ENDS HERE"."""
+    above its helpers (the line "4. Helpers")."""
     import io
     import tokenize
 
@@ -366,9 +374,7 @@ def code_tokens(path=HERE / "ddp_train.py") -> dict:
     tokens = [
         t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type not in skip
     ]
-    divider = next(
-        i for i, line in enumerate(source.splitlines(), 1) if "THE LESSON ENDS HERE" in line
-    )
+    divider = next(i for i, line in enumerate(source.splitlines(), 1) if "4. Helpers" in line)
     return {
         "total": len(tokens),
         "lesson": sum(t.start[0] < divider for t in tokens),
@@ -390,6 +396,7 @@ def main(argv=None):
     p.add_argument(
         "--size", action="store_true", help="ddp_train.py's size in code tokens and lines"
     )
+    p.add_argument("--against", help="another version of ddp_train.py, run beside this one")
     p.add_argument("--baseline", choices=tuple(BASELINES), help=argparse.SUPPRESS)
     p.add_argument("--metrics", help=argparse.SUPPRESS)
     opts = p.parse_args(argv)

@@ -259,7 +259,7 @@ def reference(tmp_path_factory):
 # and STOP_SIGNAL sent by rank STOP_RANK to itself (STOP_TARGET=parent: to torchrun) in its STOP_AT-th
 # training micro-batch, once per job (not in a restarted worker).
 USER_PY = '''
-import math, os, signal, sys
+import collections, math, os, signal, sys, time
 import torch, torch.nn as nn, torch.nn.functional as F
 import ddp_train
 
@@ -282,11 +282,20 @@ def compute_loss(model, batch):
         if calls[0] == int(env.get("STOP_AT", 0)) and env.get("RANK", "0") == env.get("STOP_RANK", "0") and first:
             target = os.getppid() if env.get("STOP_TARGET") == "parent" else os.getpid()
             os.kill(target, getattr(signal, env["STOP_SIGNAL"]))
+        if "busy" in variant and calls[0] == int(env.get("STOP_AT", 0)) and env.get("RANK") == "0":
+            time.sleep(5)  # rank 0 computes on while its peer dies
     elif "indices" in variant:
         batch.pop()
     loss, count, *metrics = loss_of(model, batch)
-    if "nan" in variant and calls[0] >= int(env["NAN_AT"]) and env.get("RANK", "0") == "1":
+    nan_now = calls[0] >= int(env.get("NAN_AT", 10**9)) and env.get("RANK", "0") == "1"
+    if "nan" in variant and nan_now:
         loss = loss * math.nan
+    if "nangrad" in variant and nan_now and model.training:
+        loss.register_hook(lambda grad: grad * math.nan)  # a finite loss, a NaN gradient
+    if "trainmetric" in variant and model.training:
+        return loss, count, {"twice": 2 * loss}
+    if "reserved" in variant:
+        return loss, count, {"loss": loss}
     if "shape" in variant:
         return F.cross_entropy(model(batch[0]), batch[1], reduction="none"), count
     if "miscount" in variant:
@@ -302,9 +311,18 @@ def build_scheduler(args, optimizer, total_steps):
     return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
 
 
-def report(record):
+def report(record, args, model):
     with open(f"{env['RECORD']}.{env.get('RANK', 0)}", "a") as f:
         f.write(repr(record) + "\\n")
+    if "weights" in variant:  # the model of each record, and the checkpoint's step then
+        torch.save(model.state_dict(), f"{env['RECORD']}.{record['kind']}.{record['step']}.pt")
+        path = f"{args.out_dir}/checkpoint.pt"
+        saved = os.path.exists(path) and torch.load(path, weights_only=True)["progress"]["step"]
+        with open(f"{env['RECORD']}.saved", "a") as f:
+            f.write(f"{record['step']} {saved}\\n")
+
+
+Batch = collections.namedtuple("Batch", "inputs targets")
 
 
 class Masked(torch.utils.data.Dataset):
@@ -353,6 +371,7 @@ class Sometimes(nn.Module):
 
 
 build_datasets, build_model = ddp_train.build_datasets, ddp_train.build_model
+collate_default = ddp_train.collate_fn
 if "sgd" in variant:
     ddp_train.build_optimizer = build_optimizer
 if "onecycle" in variant:
@@ -368,6 +387,14 @@ if "wide" in variant:
     ddp_train.build_model = lambda args: nn.Sequential(nn.Linear(ddp_train.FEATURES, 64), nn.Linear(64, 10))
 if "unused" in variant:
     ddp_train.build_model = lambda args: Sometimes(build_model(args))
+if "namedtuple" in variant:  # batches as namedtuples
+    ddp_train.collate_fn = lambda items: Batch(*collate_default(items))
+if "frozen" in variant:  # the first BatchNorm kept in eval mode (fine-tuning): no statistics move
+    def frozen_model(args):
+        model = build_model(args)
+        model[1].eval()
+        return model
+    ddp_train.build_model = frozen_model
 ddp_train.compute_loss = compute_loss
 
 if __name__ == "__main__":

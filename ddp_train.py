@@ -10,16 +10,22 @@ One file, torch only (2.4 to 2.15). Launch it unchanged:
     srun --ntasks-per-node=8 --gpus-per-task=1 python ddp_train.py     # SLURM: a task per GPU
     python -m torch.distributed.launch --nproc_per_node=2 ddp_train.py  # the legacy launcher
 
-Your task is the functions at the top: edit them, or assign yours from a script that imports this
-file (examples/digits.py). Then the training loop of the tutorials, in torch's own names: each line
-DDP adds to a plain loop says "DDP:", each classic trap "Trap:". Then a few small helpers.
+Read it top to bottom:
+  1. your task: its flags and functions. Edit them, or assign yours from a script that imports
+     this file (examples/digits.py);
+  2. init_distributed() and cleanup_distributed(): join the process group, and leave it;
+  3. train(): the tutorials' loop in torch's own names, its setup first, then the small functions
+     it calls (one step, the loss all_reduce, evaluation, checkpoints, the stop agreement);
+  4. helpers.
+Each line that DDP adds to a plain training loop says "DDP:", each classic trap "Trap:".
 """
 
 import argparse
-import collections
 import contextlib
+import dataclasses
 import datetime
 import gc
+import itertools
 import json
 import math
 import os
@@ -29,12 +35,13 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing import errors
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_collate
@@ -44,12 +51,25 @@ try:  # optional: where a Dataset draws from numpy, its generator is seeded and 
 except ImportError:
     numpy = None
 
-PROG = "ddp_train.py"
+PROG = os.path.basename(sys.argv[0])  # this script's name in its lines, or yours (mine.py)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption: torchrun, SLURM, Kubernetes
-FEATURES, CLASSES = 32, 10  # the default task
 
 
-# ====== Your task: replace these ================================================================
+# ====== 1. Your task: replace these ==============================================================
+
+# What compute_loss's count counts: "samples", or "tokens" for a language model.
+COUNT_UNIT = "samples"
+
+# Your task's own flags, beside the script's: --name, its default (and so its type), what it does.
+TASK_FLAGS = [
+    ("num-samples", 32768, "the default task's training samples"),
+    ("eval-samples", 4096, "the default task's evaluation samples (0: none)"),
+]
+
+FEATURES, CLASSES = (
+    32,
+    10,
+)  # the default task: Gaussian inputs labelled by a random linear "teacher"
 
 
 class InMemory(TensorDataset):
@@ -61,16 +81,16 @@ class InMemory(TensorDataset):
 
 
 def build_datasets(args):
-    """(train_set, eval_set): map-style Datasets, the same on every rank; eval_set may be None. The
-    default: Gaussian inputs labelled by a random linear "teacher"."""
-    gen = torch.Generator().manual_seed(args.seed)
-    teacher = torch.randn(FEATURES, CLASSES, generator=gen)
+    """(train_set, eval_set): map-style Datasets (with a __len__), the same on every rank; eval_set
+    may be None or empty (no evaluation)."""
+    generator = torch.Generator().manual_seed(args.seed)
+    teacher = torch.randn(FEATURES, CLASSES, generator=generator)
 
-    def make(n):
-        x = torch.randn(n, FEATURES, generator=gen)
-        return InMemory(x, (x @ teacher).argmax(dim=1))
+    def make(size):
+        inputs = torch.randn(size, FEATURES, generator=generator)
+        return InMemory(inputs, (inputs @ teacher).argmax(dim=1))
 
-    return make(args.num_samples), make(args.eval_samples)  # (an empty eval set: no evaluation)
+    return make(args.num_samples), make(args.eval_samples)
 
 
 def build_model(args):
@@ -81,16 +101,21 @@ def build_model(args):
 
 
 def compute_loss(model, batch):
-    """(loss, count) or (loss, count, metrics) of a batch (collate_fn's, on the device), in training
-    and evaluation. loss: the MEAN over count items, as F.cross_entropy returns it. count: an int or
-    a 0-dim tensor, the samples (or a language model's real tokens, (labels != -100).sum(), with
-    COUNT_UNIT = "tokens"). metrics: means over the same items ("accuracy": eval_accuracy). Each
-    mean is weighed by its count: every gradient and figure is the exact mean of a step's items (a
-    mean of no items weighs nothing, but its gradient must be finite, as F.cross_entropy's is)."""
+    """(loss, count) or (loss, count, metrics) of one batch (collate_fn's, on the device).
+
+    model: in training the DDP model (compiled with --compile), whose forward DDP must see; in
+    evaluation the raw module, in eval mode. loss: the MEAN over count items, as F.cross_entropy
+    returns it. count: an int or a 0-dim tensor, the samples (or, with COUNT_UNIT = "tokens", a
+    language model's real tokens: (labels != -100).sum()). metrics: {name: mean over the same
+    items}, logged as train_<name> and eval_<name>. The script weighs each mean by its count, so
+    every gradient and figure is the exact mean over all items of a step (a mean of no items weighs
+    nothing, but its gradient must be finite, as F.cross_entropy's is)."""
     inputs, targets = batch
     logits = model(inputs).float()
-    metrics = {} if model.training else {"accuracy": (logits.argmax(1) == targets).float().mean()}
-    return F.cross_entropy(logits, targets), len(targets), metrics
+    loss = F.cross_entropy(logits, targets)
+    if model.training:  # (accuracy only in evaluation: training stays fast)
+        return loss, len(targets)
+    return loss, len(targets), {"accuracy": (logits.argmax(dim=1) == targets).float().mean()}
 
 
 def collate_fn(items):
@@ -103,8 +128,12 @@ def build_optimizer(args, model):
     """One optimizer, or a list. The default: AdamW as nanoGPT sets it up, --weight-decay on weights
     (matrices and embeddings) only, not biases and norms; fused: one kernel for all."""
     params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay}]
-    groups.append({"params": [p for p in params if p.dim() < 2], "weight_decay": 0})
+    decayed = [p for p in params if p.dim() >= 2]
+    not_decayed = [p for p in params if p.dim() < 2]
+    groups = [
+        {"params": decayed, "weight_decay": args.weight_decay},
+        {"params": not_decayed, "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=args.lr, fused=True)
 
 
@@ -112,365 +141,654 @@ def build_scheduler(args, optimizer, total_steps):
     """A torch LRScheduler for one optimizer (OneCycleLR...), stepped after each optimizer step and
     checkpointed. The default: a linear warmup over --warmup-steps, then cosine decay to 0."""
 
-    def factor(step):  # the optimizer steps done before this one
-        warmup = args.warmup_steps
-        if step < warmup:
-            return (step + 1) / warmup
-        return (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup))) / 2
+    def factor(step):  # step: the optimizer steps done before this one
+        if step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        decay_steps = max(1, total_steps - args.warmup_steps)
+        return (1 + math.cos(math.pi * (step - args.warmup_steps) / decay_steps)) / 2
 
     return LambdaLR(optimizer, factor)
 
 
-def report(record):
-    """Rank 0 calls this with each record it logs: send them to W&B or TensorBoard here."""
+def report(record, args, model):
+    """Rank 0 calls this with each record it logs (after the checkpoint of the record's step, where
+    that step saves): send it to W&B or TensorBoard here. args: the flags (args.out_dir: the run's
+    files); model: the raw module, whose state_dict() holds the weights of this step."""
 
 
-# what compute_loss's count counts: "samples", or "tokens" for a language model
-COUNT_UNIT = "samples"
+# ====== 2. Joining the process group, and leaving it =============================================
 
 
-# ====== The training loop, and the lines DDP adds to it =========================================
+@dataclasses.dataclass
+class DistContext:
+    """This process's place in the run."""
+
+    rank: int  # 0 to world_size - 1, over all nodes
+    local_rank: int  # on this node
+    world_size: int
+    device: torch.device
+    # small CPU messages (the stop flag, the random states, the barrier) go over gloo: on CPUs the
+    # process group itself, on GPUs a gloo group beside NCCL (None: a single process, no group)
+    cpu_group: object = None
 
 
-@record  # under torchrun, a worker's traceback shows in torchrun's failure summary
+def init_distributed(timeout_s):
+    """Find this process's place (torchrun's variables, which --spawn and the legacy launcher set
+    too; a bare srun's, translated; plain python: one process), pick its device, join the group."""
+    if "RANK" not in os.environ:
+        os.environ.update(torchrun_variables_from_slurm(os.environ))  # {} outside SLURM
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    device = pick_device(local_rank)
+    if world_size == 1:
+        return DistContext(rank, local_rank, world_size, device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = restart_store(timeout)  # None: torchrun's env:// rendezvous
+    # DDP: join the process group: NCCL on GPUs, gloo on CPUs (a missing peer: an error in time)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    try:
+        dist.init_process_group(
+            backend, timeout=timeout, store=store, rank=rank, world_size=world_size
+        )
+    except Exception as exc:
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        fail(
+            f"rank {rank} could not join the others at {where} within {timeout_s:g} s: is "
+            "MASTER_ADDR node 0's address as this node sees it, and MASTER_PORT free there and "
+            f"open? ({one_line(exc)})",
+            code=1,
+            every_rank=True,
+        )
+    if backend == "nccl":
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    else:
+        cpu_group = dist.group.WORLD
+    return DistContext(rank, local_rank, world_size, device, cpu_group)
+
+
+def pick_device(local_rank):
+    """This process's device: cuda:LOCAL_RANK where there are GPUs, else the CPU (on a GPU machine
+    CUDA_VISIBLE_DEVICES= trains on its CPUs)."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    if local_rank < gpus:
+        index = local_rank
+    elif gpus == 1 and "LOCAL_WORLD_SIZE" not in os.environ:
+        index = 0  # srun --gpus-per-task=1 shows each task its own GPU only
+    else:
+        processes = os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)
+        fail(
+            f"{processes} processes on this node and {gpus} GPU(s), but NCCL needs one per "
+            "process: start one per GPU, or train on the CPUs with CUDA_VISIBLE_DEVICES=",
+            every_rank=True,
+        )
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)  # DDP: a GPU per process, current before anything touches CUDA
+    return device
+
+
+def restart_store(timeout):
+    """The store to join through, where torchrun (2.5+) shares its own across restarts; else None.
+
+    Trap: in that store, restarted workers would find the dead ones' keys (pytorch/pytorch#135712):
+    each restart gets a prefix of its own. torchrun counts restarts per node, so the prefix holds
+    on one node only; across nodes, a restart would leave the nodes under different prefixes."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    several_nodes = env["WORLD_SIZE"] != env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
+    if several_nodes and int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
+        fail(
+            "torchrun restarts workers on several nodes through one shared store, where the "
+            "nodes' restart counts differ and their workers would wait for each other until "
+            "--timeout: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node (as "
+            "run_multi_node.sh does)"
+        )
+    agent_store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), timeout=timeout)
+    return dist.PrefixStore(f"restart{env['TORCHELASTIC_RESTART_COUNT']}", agent_store)
+
+
+def cleanup_distributed(ctx):
+    """Leave the process group, also after an error."""
+    gc.collect()  # Trap: the DDP model freed before its process group: gloo can abort at exit
+    if not dist.is_initialized():
+        return
+    # Trap: torch < 2.8 frees a group holding the GIL, which a gloo thread freeing a tensor may wait
+    # for (a rare hang at exit): gloo's part outlives the group, then goes without the GIL
+    # (pytorch/pytorch#154976)
+    gloo_backend = ctx.cpu_group._get_backend(torch.device("cpu"))
+    dist.destroy_process_group()  # DDP: leave the process group
+    del gloo_backend
+
+
+# ====== 3. Training ==============================================================================
+
+
+@errors.record  # under torchrun, a worker's traceback shows in torchrun's failure summary
 def main(argv=None):
     args = parse_args(argv)
     if args.spawn and "RANK" not in os.environ:
-        # --spawn N: torch's launcher starts N processes on a free port (passing SIGUSR1: 2.10+)
-        os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGUSR1")
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.spawn}"]
-        os.execv(sys.executable, [sys.executable, *launcher, sys.argv[0], *(argv or sys.argv[1:])])
-    return run(args)
-
-
-def run(args):
-    """One process's whole life: find its place, join the process group, train, leave."""
-    # torchrun's RANK, LOCAL_RANK and WORLD_SIZE (srun's translated); plain python: one process
-    rank, local_rank, world = place()
-    device = torch.device("cpu")  # (CUDA_VISIBLE_DEVICES= trains on the CPUs of a GPU machine)
-    if torch.cuda.is_available():
-        gpus, here = torch.cuda.device_count(), os.environ.get("LOCAL_WORLD_SIZE", "1")
-        check(
-            int(here) <= gpus,
-            f"{here} processes on this node and {gpus} GPU(s), but NCCL needs one per process: "
-            "start one per GPU, or train on the CPUs with CUDA_VISIBLE_DEVICES=",
-        )
-        # DDP: a GPU per process, current before anything touches CUDA (srun --gpus-per-task=1: 0)
-        device = torch.device("cuda", local_rank % gpus)
-        torch.cuda.set_device(device)
-    gloo = None  # small messages (the stop flag, generators, a barrier): on CPUs the default group
-    if world > 1:
-        env, store = os.environ, None
-        timeout = datetime.timedelta(seconds=args.timeout)
-        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # Trap: torchrun (2.5+) keeps one store for all restarts of a job, where restarted
-            # workers would find the dead ones' addresses (pytorch/pytorch#135712): a prefix each
-            agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), timeout=timeout)
-            store = dist.PrefixStore(f"restart{env['TORCHELASTIC_RESTART_COUNT']}", agent)
-        # DDP: join the process group: NCCL on GPUs, gloo on CPUs (a missing peer: an error in time)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        try:
-            dist.init_process_group(
-                backend, timeout=timeout, store=store, rank=rank, world_size=world
-            )
-        except Exception as exc:
-            fail(
-                f"rank {rank} could not join the others at {env['MASTER_ADDR']}:"
-                f"{env['MASTER_PORT']} within {args.timeout:g} s: is MASTER_ADDR node 0's address "
-                f"as this node sees it, and MASTER_PORT free there and open? ({one_line(exc)})",
-                code=1,
-                every_rank=True,
-            )
-        if device.type == "cuda":  # beside NCCL, a gloo group of their own
-            gloo = dist.new_group(backend="gloo", timeout=timeout)
+        spawn(args.spawn, argv)  # starts torchrun in this process's place: never returns
+    ctx = init_distributed(args.timeout)
     try:
-        return train(args, device, rank, world, gloo)
+        return evaluate_checkpoint(args, ctx) if args.eval_only else train(args, ctx)
     except BaseException as exc:
         traceback.clear_frames(exc.__traceback__)  # Trap: they hold the DDP model and the loaders
         raise
     finally:
-        gc.collect()  # Trap: the DDP model freed before its process group: gloo can abort at exit
-        if dist.is_initialized():
-            # Trap: torch < 2.8 frees a group holding the GIL, which a gloo thread freeing a tensor
-            # may wait for (a rare hang at exit): gloo's part outlives it, then goes without the GIL
-            keep = (gloo or dist.group.WORLD)._get_backend(device)
-            dist.destroy_process_group()  # DDP: leave the process group, also after an error
-            del keep  # (pytorch/pytorch#154976)
+        cleanup_distributed(ctx)
 
 
-def train(args, device, rank, world, gloo):
-    """Every rank runs every line together; rank 0 alone prints, writes. Returns the exit code."""
-    seed_everything(args.seed)  # first: a random split in build_datasets agrees across ranks
-    train_set, eval_set = build_datasets(args)
-    seed_everything(args.seed)  # the same initial weights, whatever the world size
-    model = build_model(args).to(device)
-    if args.sync_bn:
-        check(device.type == "cuda", "--sync-bn needs GPUs (SyncBatchNorm runs on CUDA)")
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    path, ckpt = read_checkpoint(args.out_dir)  # the out-dir's last checkpoint: the run resumes
-    # DDP: a step's global batch is per process x world size x accumulation. A run resumed on
-    # another world size keeps its own, with another accumulation (nanoGPT divides its by world).
-    batch = args.batch_size * world * args.grad_accum
-    if ckpt and ckpt["global_batch"] != batch:
-        check(
-            ckpt["world_size"] != world,
-            f"{path} trained with a global batch of {ckpt['global_batch']}, this run's is {batch}: "
-            "pass the same --batch-size and --grad-accum, or another --out-dir",
-        )
-        batch = ckpt["global_batch"]
-    accum, rest = divmod(batch, args.batch_size * world)
-    check(
-        accum and not rest,
-        f"the global batch of {batch} is not {world} processes x --batch-size {args.batch_size} x "
-        f"a whole accumulation: pass a --batch-size that divides {batch // world}"
-        f"{'' if batch % world == 0 else f', on a world size that divides {batch}'}",
-    )
-    # Every step is a full global batch: an epoch leaves out its last, incomplete one (as nanoGPT).
-    steps_per_epoch = len(train_set) // batch
-    check(
-        steps_per_epoch,
-        f"the {len(train_set)} training samples do not fill one global batch of {batch}: lower "
-        "--batch-size or --grad-accum",
-    )
-    total_steps = args.max_steps or args.epochs * steps_per_epoch
-    optimizers = build_optimizer(args, model)
-    optimizers = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
-    schedulers = [build_scheduler(args, opt, total_steps) for opt in optimizers]
-    # --amp; without it none at all: even a disabled autocast costs microseconds in every forward
-    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    autocast = torch.autocast(device.type, amp) if amp else contextlib.nullcontext()
-    scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)  # fp16: loss scaling
-    # Every stateful part, by name: what a checkpoint saves and restores, one list each.
-    parts = dict(model=[model], optimizers=optimizers, schedulers=schedulers, scaler=[scaler])
-    # The run's position is one step counter. Also the loss sums and counts of the epoch and of the
-    # line, and the count of a step over all ranks that its means are weighed against (samples: the
-    # global batch; tokens: the last step's, and the gradients are scaled to the step's own later).
-    progress = {"step": 0, "epoch": [0.0, 0.0], "line": [0.0, 0.0], "count": batch}
-    seed_everything(args.seed + 1 + rank)  # DDP: each rank a random stream of its own (dropout)
-    if ckpt:
-        try:
-            for name, objects in parts.items():
-                for obj, state in zip(objects, ckpt[name], strict=True):
-                    obj.load_state_dict(state)
-        except (RuntimeError, ValueError, KeyError) as exc:
-            fail(f"{path} is of another model, optimizer or --amp: {one_line(exc)}. Use theirs")
-        # every rank's generators as they were (on another world size: the fresh ones just seeded)
-        progress, rngs = ckpt["progress"], ckpt["rng"]
-        if len(rngs) == world:
-            set_rng_state(rngs[rank])
-        log(f"resumed from {path} at step {progress['step']}, saved by {len(rngs)} process(es)")
-    # DDP: each rank reads its own share of each epoch's shuffle (drop_last: equal shares)
-    sampler = DistributedSampler(train_set, world, rank, seed=args.seed, drop_last=True)
-    # The DataLoaders' options. Trap: ignore_signals, else torchrun's SIGTERM kills the workers and the
-    # trainer dies before it saves. Trap: a generator of the rank's own, else their workers' seeds are
-    # drawn from the global generator (dropout's), and the same on every rank.
-    options = dict(collate_fn=collate_fn, num_workers=args.workers, worker_init_fn=ignore_signals)
-    options |= dict(persistent_workers=args.workers > 0, pin_memory=device.type == "cuda")
-    options["generator"] = torch.Generator().manual_seed(args.seed + 1 + rank)
-    micro_batches = []  # this rank's micro-batches of an epoch: set before each pass
-    loader = DataLoader(train_set, batch_sampler=micro_batches, **options)
-    eval_set = eval_set or []  # rank r evaluates samples r, r + world size... (no padding)
-    ours = range(rank, len(eval_set), world)
-    eval_loader = DataLoader(eval_set, args.batch_size, sampler=ours, **options)
-    # Trap: their workers start now, once, before any collective: a fork while a gloo or NCCL thread
-    # frees a finished one deadlocks the child on Python before 3.12 (CPython issue 112275)
-    iter(loader), iter(eval_loader)
-    if world > 1:  # Trap: a checkpoint that only some nodes see: they would train different steps
-        starts = [None] * world
-        dist.all_gather_object(starts, progress["step"])
-        check(len(set(starts)) == 1, f"the ranks start at steps {starts}: a shared --out-dir")
-    # DDP: the wrap: it broadcasts rank 0's weights, then averages the gradients in its buckets
-    ddp_model = (
-        DDP(model, find_unused_parameters=args.find_unused_parameters, gradient_as_bucket_view=True)
-        if world > 1
-        else model
-    )
-    forward = torch.compile(ddp_model) if args.compile else ddp_model
+@dataclasses.dataclass
+class Plan:
+    """What a step is, and how many there are."""
 
-    def fold():
-        """All ranks: every rank's loss sum and count since the last fold, added to the epoch's and
-        the line's. A non-finite loss stops every rank, before anything is written."""
-        if world > 1:
-            dist.all_reduce(sums)  # DDP: the loss all_reduce (SUM: gloo's AVG is unreliable)
-        total, counted = sums.tolist()
-        sums.zero_()
-        if not math.isfinite(total):
-            fail(
-                f"the training loss is {total} at step {progress['step']}: the run diverged; "
-                "nothing non-finite was saved. Lower --lr, or pass --clip-grad-norm 1.0",
-                code=1,
-            )
-        samples, folded[0] = (progress["step"] - folded[0]) * batch, progress["step"]
-        check(
-            COUNT_UNIT != "samples" or counted == samples,
-            f"compute_loss counted {counted:g} for {samples} samples, but COUNT_UNIT is samples: "
-            'return the sample count, or set COUNT_UNIT to what it counts ("tokens")',
-        )
-        for totals in progress["epoch"], progress["line"], ran:
-            totals[:] = totals[0] + total, totals[1] + counted
+    global_batch: int  # samples a step, over all ranks: --batch-size x world size x grad_accum
+    grad_accum: int  # micro-batches a step on each rank
+    steps_per_epoch: int  # full global batches only: an epoch leaves out its last, partial one
+    total_steps: int
 
-    @torch.no_grad()
-    def evaluate():
-        """All ranks: the means over the eval set, each sample once (DistributedSampler pads)."""
-        for buffer in model.buffers() if world > 1 else ():
-            dist.broadcast(buffer, 0)  # DDP: rank 0's BatchNorm statistics: the model rank 0 saves
-        sums = collections.Counter()
-        model.eval()
-        for inputs in eval_loader:
-            with autocast:
-                loss, n, metrics = checked(compute_loss(model, to_device(inputs, device)))
-            sums["items"] += float(n)  # (no metric's key: theirs begin with eval_)
-            for name, mean in {"loss": loss, **metrics}.items():
-                sums[f"eval_{name}"] += float(mean * n) if n else 0.0  # (no items: 0/0)
-        model.train()
-        every = [sums] * world
-        if world > 1:
-            dist.all_gather_object(every, sums, group=gloo)  # DDP: every rank's sums, added
-        totals = collections.Counter()
-        for s in every:
-            totals.update(s)
-        count = totals.pop("items")
-        figures = {k: v / count for k, v in totals.items()}
-        figures["eval_samples"] = len(eval_set)  # the ranks' shares: every sample once
-        if COUNT_UNIT != "samples":
-            figures[f"eval_{COUNT_UNIT}"] = count
-        return figures
 
-    def emit(kind, figures):
-        """Rank 0: a record (progress, eval, epoch) to the console, metrics.jsonl and report()."""
-        if rank == 0:
-            record = dict(kind=kind, step=step, epoch=epoch + 1, **figures)
-            shown = [
-                f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
-            ]
-            print(f"{kind:>8}  step {step}/{total_steps}", *shown[2:], sep="  ", flush=True)
-            with open(f"{args.out_dir}/metrics.jsonl", "a") as f:
-                print(json.dumps(record), file=f)
-            report(record)
+@dataclasses.dataclass
+class Totals:
+    """Sums over items, over all ranks: of the loss and each metric, each mean weighed by its count;
+    and the count. A mean is a sum / the count."""
 
-    def save_checkpoint():
-        """All ranks: losses folded, generators gathered; rank 0 writes; all wait for the write."""
-        fold()
-        rngs = [rng_state()] * world
-        if world > 1:
-            dist.all_gather_object(rngs, rngs[0], group=gloo)
-        if rank == 0:
-            state = {name: [obj.state_dict() for obj in objects] for name, objects in parts.items()}
-            state.update(progress=progress, rng=rngs, global_batch=batch, world_size=world)
-            stem = f"{args.out_dir}/checkpoint"
-            atomic_save(state, f"{stem}.pt", f"{stem}.prev.pt")
-        if world > 1:
-            dist.barrier(group=gloo)  # Trap: nobody goes on, or exits, before the file is written
+    sums: dict = dataclasses.field(default_factory=dict)
+    count: float = 0.0
 
-    step = progress["step"]
-    if step >= total_steps:
-        log(
-            f"{path} holds a finished run ({step} steps): nothing to train. Raise --epochs or "
-            "--max-steps to train on, or pass another --out-dir"
-        )
+    def add(self, other):
+        for name, value in other.sums.items():
+            self.sums[name] = self.sums.get(name, 0.0) + value
+        self.count += other.count
+
+    def means(self, prefix):
+        """{prefix + name: mean}; none where no item was counted (a window of no token)."""
+        if not self.count:
+            return {}
+        return {f"{prefix}{name}": value / self.count for name, value in self.sums.items()}
+
+
+@dataclasses.dataclass
+class Progress:
+    """The run's position, and the sums its next records report. Saved in every checkpoint."""
+
+    step: int = 0  # optimizer steps done
+    epoch_totals: Totals = dataclasses.field(default_factory=Totals)  # of this epoch's steps
+    window_totals: Totals = dataclasses.field(default_factory=Totals)  # since the last log line
+    # The step's count over all ranks, as expected before the step: each micro-batch's mean is
+    # weighed against it. Samples: the global batch. Tokens: the last step's (None: the first
+    # micro-batches' tell); the gradients are rescaled to the step's real count after backward.
+    expected_count: object = None
+
+    @classmethod
+    def from_dict(cls, saved):
+        progress = cls(**saved)
+        progress.epoch_totals = Totals(**saved["epoch_totals"])
+        progress.window_totals = Totals(**saved["window_totals"])
+        return progress
+
+
+@dataclasses.dataclass
+class Run:
+    """What training holds, made by setup_training() in running order."""
+
+    plan: Plan
+    progress: Progress
+    model: nn.Module  # the raw module: what is saved, evaluated and given to report()
+    ddp_model: nn.Module  # DDP's wrapper, for no_sync() (the raw module in a single process)
+    train_model: nn.Module  # what compute_loss gets in training: the DDP model, or its compiled one
+    parts: dict  # every stateful part, by name: what a checkpoint saves and restores
+    optimizers: list
+    schedulers: list
+    scaler: torch.amp.GradScaler  # fp16's loss scaling (disabled otherwise)
+    autocast: object  # --amp's autocast, or a context that does nothing
+    sampler: DistributedSampler
+    batches: "StepBatches"
+    loader: DataLoader
+    eval_loader: DataLoader
+    losses: "LossSums"  # this rank's, since the last all_reduce_losses()
+
+
+def train(args, ctx):
+    """All ranks run every line together; rank 0 alone prints and writes. Returns the exit code."""
+    run = setup_training(args, ctx)
+    plan, progress = run.plan, run.progress
+    if progress.step >= plan.total_steps:
+        log(f"{args.out_dir} holds a finished run ({progress.step} steps): nothing to train. Raise")
+        log("--epochs or --max-steps to train on, or pass another --out-dir")
         return 0
-    os.makedirs(args.out_dir, exist_ok=True)
-    log(
-        f"{PROG}: world size {world}, {dist.get_backend() if world > 1 else 'no process group'}, "
-        f"{device}, {torch.get_num_threads()} thread(s)/process, torch {torch.__version__}\n"
-        f"global batch {batch} = {args.batch_size}/process x {world} x {accum} accum, "
-        f"{steps_per_epoch} steps/epoch (each leaves out {len(train_set) % batch} of its "
-        f"{len(train_set):,} samples), {len(eval_set):,} eval samples"
-    )
-    signals = []
-    for sig in STOP_SIGNALS:  # Trap: a handler only notes the signal: a collective in one deadlocks
-        signal.signal(sig, lambda signum, frame: signals.append(signum))
-    # this rank's loss sum and count since the last fold, its step; all ranks' items in this run
-    sums, folded, ran = torch.zeros(2, dtype=torch.float64, device=device), [step], [0.0, 0.0]
-    loss_sum, count = sums
-    first, started = step, time.perf_counter()
-    while step < total_steps:
-        epoch, done = divmod(step, steps_per_epoch)
-        sampler.set_epoch(epoch)  # Trap: without it every epoch repeats the first one's shuffle
-        # DDP: step s trains the samples at [s, s + 1) x global batch of the shuffle: this rank's
-        # share of them is the same stretch of its own share. A resumed epoch skips the steps done.
-        mine, each = list(sampler), args.batch_size
-        micro_batches[:] = [mine[i : i + each] for i in range(done * accum * each, len(mine), each)]
-        data, end = iter(loader), min(total_steps, (epoch + 1) * steps_per_epoch)
-        epoch_at = time.perf_counter()
-        while step < end:
-            # DDP: a stop signal on any rank stops every rank after the same step: this rank's flag
-            # rides an asynchronous all-reduce over gloo, sent now and read at the step's end
-            if world > 1:
-                flag = torch.tensor(len(signals))
-                agreement = dist.all_reduce(flag, group=gloo, async_op=True)
-            # this rank's count in this step, and what its means are weighed against
-            counts, expected = 0, progress["count"]
-            for i in range(accum):
-                inputs = to_device(next(data), device)
-                # DDP: all-reduce the gradients only in the backward of the step's last micro-batch
-                sync = i == accum - 1 or world == 1
-                with contextlib.nullcontext() if sync else ddp_model.no_sync():
-                    with autocast:
-                        loss, n, _ = checked(compute_loss(forward, inputs))
-                    loss_sum += loss.detach() * n
-                    counts += n
-                    # DDP: DDP averages the ranks' gradients: a mean weighs its share of the count
-                    scaler.scale(loss * (n * world / expected)).backward()
-            count += counts
-            if COUNT_UNIT != "samples":
-                # DDP: the step's count over all ranks, then every gradient as if weighed by it
-                counts = torch.as_tensor(counts, dtype=torch.float64, device=device)
-                if world > 1:
-                    dist.all_reduce(counts)
-                progress["count"] = counts = counts.clamp(min=1)  # (no token at all: no gradient)
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                torch._foreach_mul_(grads, (expected / counts).to(grads[0].dtype))
-            log_now = args.log_every and (step + 1) % args.log_every == 0
-            if args.clip_grad_norm or log_now:
-                for opt in optimizers:
-                    scaler.unscale_(opt)  # Trap: clip and log the true gradients, not fp16's scaled
-                norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm or math.inf)
-            lr = optimizers[0].param_groups[0]["lr"]
-            for opt, scheduler in zip(optimizers, schedulers):
-                scaler.step(opt)
-                scheduler.step()
-                opt.zero_grad(set_to_none=True)
-            scaler.update()
-            step = progress["step"] = step + 1
-            if log_now:  # all ranks fold; rank 0 prints
-                fold()
-                (total, counted), progress["line"] = progress["line"], [0.0, 0.0]
-                seconds = time.perf_counter() - started
-                eta = seconds / (step - first) * (total_steps - step)
-                figures = {"train_loss": total / counted, "lr": lr, "grad_norm": norm.item()}
-                emit("progress", figures | {f"{COUNT_UNIT}_per_s": ran[1] / seconds, "eta_s": eta})
-            if args.eval_every and step % args.eval_every == 0 and step < end and eval_set:
-                fold()  # first: a non-finite loss stops every rank before a record holds it
-                emit("eval", evaluate())
-            # all ranks: a stop signal on any of them, as the step's start saw it
-            stop = agreement.wait() and flag.item() if world > 1 else signals
-            if stop:
-                break
-            if args.save_every and step % args.save_every == 0 and step < end:
-                save_checkpoint()
-        if step == end:  # the end of an epoch, or of the run: all ranks
-            fold()
-            (total, counted), progress["epoch"] = progress["epoch"], [0.0, 0.0]
-            samples = (step - epoch * steps_per_epoch) * batch
-            figures = {"train_loss": total / counted, f"train_{COUNT_UNIT}": counted, "lr": lr}
-            figures |= {"train_samples": samples, "world_size": world}
-            figures["epoch_s"] = time.perf_counter() - epoch_at
-            emit("epoch", figures | (evaluate() if eval_set else {}))
-        save_checkpoint()
-        if stop and step < total_steps:
-            log(f"stopped by a signal at step {step}; checkpoint saved: rerun to resume (exit 75)")
-            return 75
-    # Trap: save the raw module: DDP prefixes each key with "module.", compile "_orig_mod."
-    if rank == 0:
-        atomic_save(model.state_dict(), f"{args.out_dir}/model.pt")
-    log(f"saved {args.out_dir}/model.pt after {step} steps")
+    log_header(args, ctx, run)
+    if ctx.rank == 0:
+        os.makedirs(args.out_dir, exist_ok=True)
+    stop = StopAgreement(ctx)
+    speed = Throughput(progress.step, plan.total_steps)
+    while progress.step < plan.total_steps and not stop.agreed:
+        epoch = progress.step // plan.steps_per_epoch
+        epoch_end = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
+        run.sampler.set_epoch(epoch)  # Trap: without it every epoch repeats the first one's shuffle
+        run.batches.skip_steps = progress.step - epoch * plan.steps_per_epoch  # (a resumed epoch)
+        epoch_started = time.perf_counter()
+        micro_batches = iter(run.loader)  # the for over the DataLoader: --grad-accum a step
+        while progress.step < epoch_end and not stop.agreed:
+            stop.vote()  # all ranks: whether this rank got a stop signal, as the step starts
+            step = progress.step + 1
+            log_now = args.log_every and step % args.log_every == 0
+            lr, grad_norm = train_step(run, ctx, args, micro_batches, want_norm=log_now)
+            progress.step = step
+            stop.count_votes()  # all ranks: did any rank get one? then all stop after this step
+            eval_now = args.eval_every and step % args.eval_every == 0 and step < epoch_end
+            save_now = args.save_every and step % args.save_every == 0
+            save_now = save_now or step == epoch_end or stop.agreed
+            if log_now or eval_now or save_now:  # all ranks: first, the losses since the last time
+                summed = all_reduce_losses(run, ctx)  # DDP: the loss all_reduce
+                progress.epoch_totals.add(summed)
+                progress.window_totals.add(summed)
+                speed.items += summed.count
+            records = []  # this step's, written below by rank 0
+            if log_now:
+                figures = progress.window_totals.means("train_") | {"lr": lr}
+                figures["grad_norm"] = grad_norm.item()
+                records.append(("progress", figures | speed.figures(step)))
+                progress.window_totals = Totals()
+            if eval_now and len(run.eval_loader.dataset):  # all ranks evaluate their share
+                records.append(("eval", evaluate(run.model, run.eval_loader, ctx, run.autocast)))
+            if step == epoch_end:  # the end of an epoch, or of the run
+                epoch_s = time.perf_counter() - epoch_started
+                records.append(("epoch", epoch_figures(run, ctx, epoch, lr, epoch_s)))
+                progress.epoch_totals = Totals()
+            if save_now:  # all ranks: random states gathered; rank 0 writes; all wait for it
+                save_checkpoint(args, ctx, run)
+            for kind, figures in records:  # rank 0, after the save: report() may use the files
+                record = {"kind": kind, "step": step, "epoch": epoch + 1} | figures
+                write_record(record, args, ctx, run.model, plan.total_steps)
+    stop.restore()
+    if stop.agreed and progress.step < plan.total_steps:
+        log(f"stopped by a signal at step {progress.step}; checkpoint saved in {args.out_dir}:")
+        log("rerun the same command to resume (exit 75)")
+        return 75
+    if ctx.rank == 0:  # Trap: save the raw module: DDP prefixes "module.", compile "_orig_mod."
+        atomic_save(run.model.state_dict(), f"{args.out_dir}/model.pt")
+    log(f"saved {args.out_dir}/model.pt after {progress.step} steps")
     return 0
 
 
-# ====== THE LESSON ENDS HERE: the helpers =======================================================
+def setup_training(args, ctx):
+    """All ranks: the data, the model, its optimizers and their state from the out-dir's last
+    checkpoint (the run resumes), the DataLoaders and the DDP wrap, in running order."""
+    seed_everything(args.seed)  # first: a random split in build_datasets agrees across ranks
+    train_set, eval_set = build_datasets(args)
+    eval_set = eval_set or []
+    check_datasets(train_set, eval_set)
+    seed_everything(args.seed)  # the same initial weights, whatever the world size
+    model = build_model(args).to(ctx.device)
+    if args.sync_bn:
+        check(ctx.device.type == "cuda", "--sync-bn needs GPUs (SyncBatchNorm runs on CUDA)")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    path, checkpoint = read_checkpoint(args.out_dir)
+    plan = make_plan(args, ctx, len(train_set), path, checkpoint)
+    optimizers = build_optimizer(args, model)
+    optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    schedulers = [build_scheduler(args, opt, plan.total_steps) for opt in optimizers]
+    autocast, amp_dtype = make_autocast(args, ctx.device)
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
+    parts = {"model": [model], "optimizers": optimizers, "schedulers": schedulers}
+    parts["scaler"] = [scaler]
+    expected_count = plan.global_batch if COUNT_UNIT == "samples" else None
+    progress = Progress(expected_count=expected_count)
+    seed_everything(args.seed + 1 + ctx.rank)  # DDP: each rank a random stream of its own (dropout)
+    if checkpoint:
+        progress = restore_checkpoint(parts, path, checkpoint, ctx)
+    # DDP: each rank reads its own share of each epoch's shuffle (drop_last: equal shares)
+    sampler = DistributedSampler(
+        train_set, ctx.world_size, ctx.rank, seed=args.seed, drop_last=True
+    )
+    batches = StepBatches(sampler, args.batch_size, plan)
+    loader = DataLoader(train_set, batch_sampler=batches, **loader_options(args, ctx))
+    eval_loader = make_eval_loader(args, ctx, eval_set)
+    # Trap: the workers start now, once, before any collective: a fork while a gloo or NCCL thread
+    # frees a finished one deadlocks the child on Python before 3.12 (CPython issue 112275)
+    start_workers(loader)
+    start_workers(eval_loader)
+    check_same_start(progress.step, ctx)
+    ddp_model = model
+    if ctx.world_size > 1:
+        # DDP: the wrap: it broadcasts rank 0's weights, then averages the gradients in its buckets
+        ddp_model = DDP(
+            model,
+            find_unused_parameters=args.find_unused_parameters,
+            gradient_as_bucket_view=True,
+        )
+    train_model = torch.compile(ddp_model) if args.compile else ddp_model
+    losses = LossSums(ctx.device, progress.step)
+    return Run(
+        plan, progress, model, ddp_model, train_model, parts, optimizers, schedulers, scaler,
+        autocast, sampler, batches, loader, eval_loader, losses,
+    )  # fmt: skip
 
-# The flags: --name, its default (and so its type), what it does.
+
+def make_plan(args, ctx, train_size, path, checkpoint):
+    # DDP: a step's global batch is per process x world size x accumulation. A run resumed on
+    # another world size keeps its own, with another accumulation (nanoGPT divides its by world).
+    global_batch = args.batch_size * ctx.world_size * args.grad_accum
+    if checkpoint and checkpoint["global_batch"] != global_batch:
+        if checkpoint["world_size"] == ctx.world_size:  # the same world: the flags differ
+            fail(
+                f"{path} trained with a global batch of {checkpoint['global_batch']}, this run's is "
+                f"{global_batch}: pass the same --batch-size and --grad-accum, or another --out-dir"
+            )
+        global_batch = checkpoint["global_batch"]  # another world: its accumulation follows
+    grad_accum, rest = divmod(global_batch, args.batch_size * ctx.world_size)
+    if not grad_accum or rest:
+        per_process = global_batch // ctx.world_size
+        hint = "" if global_batch % ctx.world_size == 0 else f", on a world size that divides it"
+        fail(
+            f"the global batch of {global_batch} is not {ctx.world_size} processes x --batch-size "
+            f"{args.batch_size} x a whole accumulation: pass a --batch-size that divides "
+            f"{per_process}{hint}"
+        )
+    # Every step is a full global batch: an epoch leaves out its last, incomplete one (as nanoGPT).
+    steps_per_epoch = train_size // global_batch
+    check(
+        steps_per_epoch > 0,
+        f"the {train_size} training samples do not fill one global batch of {global_batch}: "
+        "lower --batch-size or --grad-accum",
+    )
+    total_steps = args.max_steps or args.epochs * steps_per_epoch
+    return Plan(global_batch, grad_accum, steps_per_epoch, total_steps)
+
+
+def train_step(run, ctx, args, micro_batches, want_norm):
+    """All ranks: one optimizer step over this rank's next --grad-accum micro-batches. Returns the
+    step's learning rate and its gradient norm (a tensor; None unless clipped or logged)."""
+    progress = run.progress
+    rank_items = 0  # this rank's items in this step (samples or tokens)
+    for i, batch in enumerate(itertools.islice(micro_batches, run.plan.grad_accum)):
+        batch = to_device(batch, ctx.device)
+        last = i == run.plan.grad_accum - 1
+        # DDP: all-reduce the gradients only in the backward of the step's last micro-batch
+        with contextlib.nullcontext() if last or ctx.world_size == 1 else run.ddp_model.no_sync():
+            with run.autocast:
+                loss, count, metrics = unpack_loss(compute_loss(run.train_model, batch))
+            run.losses.add(loss, count, metrics)
+            if progress.expected_count is None:  # a token run's first step: guess from this one
+                first = sum_over_ranks(count, ctx) * run.plan.grad_accum
+                progress.expected_count = first.clamp(min=1)
+            # DDP: DDP averages the ranks' gradients: a mean weighs its share of the step's count
+            weight = count * ctx.world_size / progress.expected_count
+            run.scaler.scale(loss * weight).backward()
+        rank_items += count
+    if COUNT_UNIT != "samples":
+        # DDP: the step's count over all ranks, then every gradient as if weighed by it
+        real_count = sum_over_ranks(rank_items, ctx).clamp(min=1)  # (no token at all: no gradient)
+        grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, (progress.expected_count / real_count).to(grads[0].dtype))
+        progress.expected_count = real_count  # the next step's guess
+    grad_norm = None
+    if args.clip_grad_norm or want_norm:
+        for optimizer in run.optimizers:
+            run.scaler.unscale_(optimizer)  # Trap: clip and log the true gradients, not fp16's
+        max_norm = args.clip_grad_norm or math.inf
+        grad_norm = nn.utils.clip_grad_norm_(run.model.parameters(), max_norm)
+    lr = run.optimizers[0].param_groups[0]["lr"]
+    for optimizer, scheduler in zip(run.optimizers, run.schedulers):
+        run.scaler.step(optimizer)
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    run.scaler.update()
+    return lr, grad_norm
+
+
+class LossSums:
+    """This rank's training sums since the last all_reduce_losses(): of the loss and each metric,
+    each mean weighed by its count; and the count. Kept on the device: no step waits for the GPU."""
+
+    def __init__(self, device, since_step):
+        self.device = device
+        self.since_step = since_step  # the sums are of the steps after this one
+        self.sums = {}  # name -> a float64 0-dim tensor
+        self.count = 0  # an int, or a tensor where compute_loss counts with one
+
+    def add(self, loss, count, metrics):
+        for name, mean in {"loss": loss, **metrics}.items():
+            if name not in self.sums:
+                self.sums[name] = torch.zeros((), dtype=torch.float64, device=self.device)
+            self.sums[name] += (mean.detach() if torch.is_tensor(mean) else mean) * count
+        self.count += count
+
+
+def all_reduce_losses(run, ctx):
+    """All ranks: every rank's training sums since the last call, added: the loss all_reduce of the
+    tutorials (SUM: gloo's AVG is unreliable). Returns them as Totals; this rank's start again.
+    A non-finite loss or weight stops every rank here, before any record or checkpoint has it."""
+    losses, step = run.losses, run.progress.step
+    names = list(losses.sums)
+    count = torch.as_tensor(losses.count, dtype=torch.float64, device=ctx.device)
+    packed = torch.stack([*losses.sums.values(), count])
+    if ctx.world_size > 1:
+        dist.all_reduce(packed)  # DDP: every rank's sums, added
+    *sums, count = packed.tolist()
+    run.losses = LossSums(ctx.device, step)
+    advice = (
+        "the run diverged; nothing non-finite was saved. Lower --lr, or pass --clip-grad-norm 1.0"
+    )
+    if not math.isfinite(sums[0]):
+        fail(f"the training loss is {sums[0]} at step {step}: {advice}", code=1)
+    if not torch.stack([p.isfinite().all() for p in run.model.parameters()]).all():
+        fail(f"the weights are not finite at step {step} (a non-finite gradient): {advice}", code=1)
+    samples = (step - losses.since_step) * run.plan.global_batch
+    check(
+        COUNT_UNIT != "samples" or count == samples,
+        f"compute_loss counted {count:g} for {samples} samples, but COUNT_UNIT is samples: "
+        'return the sample count, or set COUNT_UNIT to what it counts ("tokens")',
+    )
+    return Totals(dict(zip(names, sums)), count)
+
+
+def sum_over_ranks(value, ctx):
+    """A count over all ranks, as a float64 tensor on the device."""
+    total = torch.as_tensor(value, dtype=torch.float64, device=ctx.device)
+    if ctx.world_size > 1:
+        dist.all_reduce(total)
+    return total
+
+
+def epoch_figures(run, ctx, epoch, lr, epoch_s):
+    """All ranks: an epoch record's figures: its means, items and seconds, then the evaluation's."""
+    totals, plan = run.progress.epoch_totals, run.plan
+    steps = run.progress.step - epoch * plan.steps_per_epoch
+    figures = totals.means("train_") | {f"train_{COUNT_UNIT}": totals.count, "lr": lr}
+    figures |= {"train_samples": steps * plan.global_batch, "world_size": ctx.world_size}
+    figures["epoch_s"] = epoch_s
+    if len(run.eval_loader.dataset):
+        figures |= evaluate(run.model, run.eval_loader, ctx, run.autocast)
+    return figures
+
+
+@torch.no_grad()
+def evaluate(model, eval_loader, ctx, autocast):
+    """All ranks: the exact means over the eval set, {eval_<name>: mean}, each sample counted once
+    (rank r evaluates samples r, r + world size...: DistributedSampler would pad with repeats).
+    compute_loss gets the raw module, in eval mode: DDP's wrapper could wait for other ranks."""
+    if ctx.world_size > 1:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, 0)  # DDP: rank 0's BatchNorm statistics: the model rank 0 saves
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    sums, count = {}, 0.0
+    for batch in eval_loader:
+        with autocast:
+            loss, n, metrics = unpack_loss(compute_loss(model, to_device(batch, ctx.device)))
+        count += float(n)
+        for name, mean in {"loss": loss, **metrics}.items():
+            sums[name] = sums.get(name, 0.0) + (float(mean * n) if n else 0.0)  # (no items: 0/0)
+    for module, training in modes:  # Trap: not model.train(): a part frozen in eval mode stays so
+        module.train(training)
+    per_rank = [Totals(sums, count)]
+    if ctx.world_size > 1:
+        per_rank = [None] * ctx.world_size
+        dist.all_gather_object(per_rank, Totals(sums, count), group=ctx.cpu_group)  # DDP: all sums
+    totals = Totals()
+    for rank_totals in per_rank:
+        totals.add(rank_totals)
+    figures = totals.means("eval_") | {"eval_samples": len(eval_loader.dataset)}
+    if COUNT_UNIT != "samples":
+        figures[f"eval_{COUNT_UNIT}"] = totals.count
+    return figures
+
+
+def evaluate_checkpoint(args, ctx):
+    """--eval-only: the out-dir's checkpoint, evaluated on any world size; its record is printed
+    and given to report() (metrics.jsonl holds the training's)."""
+    path, checkpoint = read_checkpoint(args.out_dir)
+    check(checkpoint, f"--eval-only: there is no checkpoint in {args.out_dir}: train first")
+    seed_everything(args.seed)
+    _, eval_set = build_datasets(args)
+    eval_set = eval_set or []
+    check(len(eval_set) > 0, "--eval-only: build_datasets gives no eval set")
+    seed_everything(args.seed)
+    model = build_model(args).to(ctx.device)
+    try:
+        model.load_state_dict(checkpoint["model"][0])
+    except RuntimeError as exc:
+        fail(f"{path} is of another model: {one_line(exc)}")
+    eval_loader = make_eval_loader(args, ctx, eval_set)
+    start_workers(eval_loader)
+    autocast, _ = make_autocast(args, ctx.device)
+    step = checkpoint["progress"]["step"]
+    log(f"{PROG}: evaluating {path} (step {step}) on world size {ctx.world_size}, {ctx.device}")
+    figures = evaluate(model, eval_loader, ctx, autocast)
+    write_record({"kind": "eval", "step": step} | figures, args, ctx, model, step, to_file=False)
+    return 0
+
+
+def save_checkpoint(args, ctx, run):
+    """All ranks: every rank's random states gathered; rank 0 writes the checkpoint, keeping the
+    previous one; all wait until it is written."""
+    rng_states = [rng_state()]
+    if ctx.world_size > 1:
+        rng_states = [None] * ctx.world_size
+        dist.all_gather_object(rng_states, rng_state(), group=ctx.cpu_group)
+    if ctx.rank == 0:
+        checkpoint = {name: [obj.state_dict() for obj in objs] for name, objs in run.parts.items()}
+        checkpoint["format"] = CHECKPOINT_FORMAT
+        checkpoint["progress"] = dataclasses.asdict(run.progress)  # plain values: weights_only
+        checkpoint["rng"] = rng_states
+        checkpoint["global_batch"] = run.plan.global_batch
+        checkpoint["world_size"] = ctx.world_size
+        checkpoint["args"] = vars(args)
+        stem = f"{args.out_dir}/checkpoint"
+        atomic_save(checkpoint, f"{stem}.pt", previous=f"{stem}.prev.pt")
+    if ctx.world_size > 1:
+        dist.barrier(group=ctx.cpu_group)  # Trap: nobody goes on, or exits, before it is written
+
+
+def restore_checkpoint(parts, path, checkpoint, ctx):
+    """Every stateful part as the checkpoint holds it, and this rank's random generators (on
+    another world size, the fresh ones just seeded). Returns the run's progress."""
+    try:
+        for name, objects in parts.items():
+            for obj, state in zip(objects, checkpoint[name], strict=True):
+                obj.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        fail(f"{path} is of another model, optimizer or --amp: {one_line(exc)}. Use theirs")
+    saved_by = len(checkpoint["rng"])
+    if saved_by == ctx.world_size:
+        set_rng_state(checkpoint["rng"][ctx.rank])
+    progress = Progress.from_dict(checkpoint["progress"])
+    log(f"resumed from {path} at step {progress.step}, saved by {saved_by} process(es)")
+    return progress
+
+
+class StopAgreement:
+    """A stop signal on any rank (preemption: SIGTERM, SIGUSR1) stops every rank after one step.
+
+    Trap: the handler only notes the signal: a collective inside a handler deadlocks. Each step,
+    every rank's note rides an asynchronous all-reduce over gloo, sent at the step's start and read
+    at its end: it costs the step no wait."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.signals = []  # the stop signals this process got
+        self.agreed = False  # True: some rank got one; every rank stops after this step
+        self.flag, self.reduction = None, None
+        self.previous_handlers = {sig: signal.signal(sig, self.note) for sig in STOP_SIGNALS}
+
+    def note(self, signum, frame):
+        self.signals.append(signum)
+
+    def vote(self):
+        if self.ctx.world_size > 1:
+            self.flag = torch.tensor(len(self.signals))
+            self.reduction = dist.all_reduce(self.flag, group=self.ctx.cpu_group, async_op=True)
+
+    def count_votes(self):
+        if self.ctx.world_size > 1:
+            self.reduction.wait()
+            self.agreed = self.flag.item() > 0
+        else:
+            self.agreed = len(self.signals) > 0
+
+    def restore(self):
+        for sig, handler in self.previous_handlers.items():
+            signal.signal(sig, handler)
+
+
+class Throughput:
+    """Items trained a second since this process started, and the seconds left."""
+
+    def __init__(self, first_step, total_steps):
+        self.first_step, self.total_steps = first_step, total_steps
+        self.started = time.perf_counter()
+        self.items = 0.0  # over all ranks
+
+    def figures(self, step):
+        seconds = time.perf_counter() - self.started
+        eta_s = seconds / (step - self.first_step) * (self.total_steps - step)
+        return {f"{COUNT_UNIT}_per_s": self.items / seconds, "eta_s": eta_s}
+
+
+def write_record(record, args, ctx, model, total_steps, to_file=True):
+    """Rank 0: a record (progress, eval, epoch) to the console, metrics.jsonl and report()."""
+    if ctx.rank != 0:
+        return
+    shown = [
+        f"{name} {value:.6g}" if isinstance(value, float) else f"{name} {value}"
+        for name, value in record.items()
+        if name not in ("kind", "step")
+    ]
+    print(f"{record['kind']:>8}  step {record['step']}/{total_steps}", *shown, sep="  ", flush=True)
+    if to_file:
+        with open(f"{args.out_dir}/metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+    report(record, args, model)
+
+
+def log_header(args, ctx, run):
+    """Rank 0: what this run is, in three lines."""
+    plan, train_size = run.plan, len(run.sampler.dataset)
+    backend = dist.get_backend() if ctx.world_size > 1 else "no process group"
+    threads = torch.get_num_threads()
+    log(
+        f"{PROG}: world size {ctx.world_size}, {backend}, {ctx.device}, {threads} thread(s)/process,"
+    )
+    log(
+        f"torch {torch.__version__}; files in {args.out_dir}: checkpoint.pt, metrics.jsonl, model.pt"
+    )
+    left_out = train_size - plan.steps_per_epoch * plan.global_batch
+    log(
+        f"global batch {plan.global_batch} = {args.batch_size}/process x {ctx.world_size} x "
+        f"{plan.grad_accum} accum, {plan.steps_per_epoch} steps/epoch (each leaves out {left_out} "
+        f"of its {train_size:,} samples), {len(run.eval_loader.dataset):,} eval samples"
+    )
+
+
+# ====== 4. Helpers ===============================================================================
+
+# The script's flags: --name, its default (and so its type), what it does. TASK_FLAGS add yours.
 FLAGS = [
     ("epochs", 3, "passes over the training set"),
     ("max-steps", 0, "train exactly N optimizer steps (0: --epochs)"),
@@ -481,12 +799,11 @@ FLAGS = [
     ("weight-decay", 0.01, "the default AdamW's, on matrices"),
     ("clip-grad-norm", 0.0, "clip the global gradient norm to this at every step (0: off)"),
     ("seed", 0, "seeds the data, the initial weights and the shuffle"),
-    ("num-samples", 32768, "the default task's training samples"),
-    ("eval-samples", 4096, "the default task's evaluation samples (0: none)"),
     ("out-dir", f"out/{os.path.basename(sys.argv[0]).removesuffix('.py')}", "rank 0 writes here"),
     ("log-every", 100, "a progress line every N optimizer steps (0: off)"),
     ("eval-every", 0, "also evaluate every N optimizer steps (0: at each epoch's end only)"),
     ("save-every", 500, "also checkpoint every N optimizer steps (0: at each epoch's end only)"),
+    ("eval-only", False, "evaluate the out-dir's checkpoint, then exit"),
     ("amp", "off", "autocast: off, bf16 or fp16 (with loss scaling)"),
     ("compile", False, "torch.compile the DDP model"),
     ("workers", 0, "DataLoader workers per process"),
@@ -495,70 +812,186 @@ FLAGS = [
     ("timeout", 1800.0, "seconds to wait for a peer before failing"),
     ("spawn", 0, "start N local processes (torchrun --standalone, started for you)"),
 ]
+AT_LEAST_ONE = ("epochs", "batch-size", "grad-accum")  # the script's other numbers: 0
+RESERVED_METRICS = {"loss", "samples", "tokens"}  # the script's own: train_loss, eval_samples...
+CHECKPOINT_FORMAT = 2  # 1: the checkpoints of ddp_train.py before its redesign
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, whose errors are one line (not its usage text) and a non-zero exit."""
+
+    def error(self, message):
+        fail(f"{message} (see --help)")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    parser = OneLineParser(
         allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.error = lambda message: fail(f"{message} (see --help)")  # one line, not argparse's usage
-    for name, default, help in FLAGS:
+    for name, default, help_text in FLAGS + TASK_FLAGS:
         if default is False:
-            p.add_argument(f"--{name}", action="store_true", help=help)
+            parser.add_argument(f"--{name}", action="store_true", help=help_text)
         else:
-            p.add_argument(f"--{name}", type=type(default), default=default, help=help)
+            parser.add_argument(f"--{name}", type=type(default), default=default, help=help_text)
     # the legacy `python -m torch.distributed.launch` passes --local-rank=N (older torch: _rank)
-    p.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    least = min(args.epochs, args.batch_size, args.grad_accum, args.num_samples)
-    numbers = [v for v in vars(args).values() if isinstance(v, (int, float))]
-    check(
-        least >= 1 and min(numbers) >= 0,
-        "--epochs, --batch-size, --grad-accum and --num-samples are at least 1, other numbers 0",
-    )
+    parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name, _, _ in FLAGS:
+        value = getattr(args, name.replace("-", "_"))
+        least = 1 if name in AT_LEAST_ONE else 0
+        if type(value) in (int, float) and value < least:
+            fail(f"--{name} is {value}: it is at least {least}")
     check(args.amp in ("off", "bf16", "fp16"), f"--amp is off, bf16 or fp16, not {args.amp}")
     return args
 
 
-def place():
-    """(RANK, LOCAL_RANK, WORLD_SIZE): torchrun's variables, which the legacy launcher and --spawn
-    set too. A bare `srun python ddp_train.py` has SLURM's, translated here; plain python: none."""
-    env = os.environ
-    if "RANK" not in env and int(env.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
-        env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"])
-        env["LOCAL_RANK"] = env["SLURM_LOCALID"]
-        # the step's first node ('gpu[07-09,12],cpu1': gpu07), and a port of the job's own
-        first_node = re.match(r"([^,\[]*)\[?(\d*)", env["SLURM_STEP_NODELIST"]).groups()
-        env.setdefault("MASTER_ADDR", "".join(first_node))
-        env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 20000))
-    return int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1))
+def spawn(processes, argv):
+    """--spawn N: torch's launcher (torchrun --standalone, a free port) starts N processes of this
+    script, in this process's place. It passes on SIGUSR1 too (torch 2.10+)."""
+    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGUSR1")
+    main_spec = sys.modules["__main__"].__spec__  # `python -m pkg.train`: that module again
+    script = ["-m", main_spec.name] if main_spec else [sys.argv[0]]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+    os.execv(sys.executable, [sys.executable, *launcher, *script, *(argv or sys.argv[1:])])
 
 
-def checked(out):
-    """compute_loss's result, its contract checked; a mean of no items (0/0) weighs nothing."""
-    loss, n, metrics = (
-        [*out, {}][:3] if isinstance(out, tuple) and len(out) in (2, 3) else [out] * 3
+def torchrun_variables_from_slurm(env):
+    """A bare `srun python ddp_train.py` of several tasks: torchrun's variables from SLURM's (the
+    rank, the world, the local rank; the step's first node; a port of the job step's own, by
+    run_multi_node.sh's rule). Anywhere else: none."""
+    if int(env.get("SLURM_STEP_NUM_TASKS", 1)) <= 1:
+        return {}
+    variables = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_STEP_NUM_TASKS"]}
+    variables["LOCAL_RANK"] = env["SLURM_LOCALID"]
+    variables["MASTER_ADDR"] = env.get("MASTER_ADDR") or first_host(env["SLURM_STEP_NODELIST"])
+    # 61000-65499: above Linux's ephemeral ports; two jobs, or two steps of one job, on a node get
+    # two ports; a requeued job moves to another (the last run's processes may still hold theirs)
+    job, step, requeues = (int(env.get(name, 0)) for name in SLURM_PORT_VARIABLES)
+    port = 61000 + (job * 11 + step + 2221 * requeues) % 4500
+    variables["MASTER_PORT"] = env.get("MASTER_PORT") or str(port)
+    return variables
+
+
+SLURM_PORT_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT")
+
+
+def first_host(nodelist):
+    """The first host of a SLURM node list: "gpu[07-09,12]-ib,cpu1" -> "gpu07-ib"."""
+    first_entry = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist).group()
+    return re.sub(r"\[(\d+)[^\]]*\]", r"\1", first_entry)
+
+
+def check_datasets(train_set, eval_set):
+    for name, dataset in ("training", train_set), ("eval", eval_set):
+        check(
+            hasattr(dataset, "__len__"),
+            f"the {name} set is a {type(dataset).__name__} without a length: DistributedSampler "
+            "needs a map-style Dataset (with __len__ and __getitem__), which gives every rank an "
+            "exact share and lets a stopped run resume at the very sample it stopped at",
+        )
+
+
+def check_same_start(step, ctx):
+    if ctx.world_size > 1:  # Trap: a checkpoint that only some nodes see: they would train apart
+        starts = [None] * ctx.world_size
+        dist.all_gather_object(starts, step, group=ctx.cpu_group)
+        check(len(set(starts)) == 1, f"the ranks start at steps {starts}: a shared --out-dir")
+
+
+class StepBatches:
+    """The training DataLoader's batch_sampler: this rank's micro-batches of an epoch. Step s of
+    the epoch trains the samples at [s, s + 1) x global batch of its shuffle: this rank's share of
+    them is the same stretch of its DistributedSampler share, in micro-batches of --batch-size."""
+
+    def __init__(self, sampler, batch_size, plan):
+        self.sampler, self.batch_size = sampler, batch_size
+        self.per_step = plan.grad_accum * batch_size  # this rank's samples in a step
+        self.steps_per_epoch = plan.steps_per_epoch
+        self.skip_steps = 0  # a resumed epoch leaves out the steps it trained
+
+    def __iter__(self):
+        share = list(self.sampler)
+        end = self.steps_per_epoch * self.per_step
+        for start in range(self.skip_steps * self.per_step, end, self.batch_size):
+            yield share[start : start + self.batch_size]
+
+    def __len__(self):
+        return (self.steps_per_epoch - self.skip_steps) * self.per_step // self.batch_size
+
+
+def loader_options(args, ctx):
+    """Trap: ignore_signals, else torchrun's SIGTERM kills the workers and the trainer dies before
+    it saves. Trap: a generator of the rank's own, else the workers' seeds are drawn from the
+    global generator (dropout's), the same on every rank."""
+    return dict(
+        collate_fn=collate_fn,
+        num_workers=args.workers,
+        worker_init_fn=ignore_signals,
+        persistent_workers=args.workers > 0,
+        pin_memory=ctx.device.type == "cuda",
+        generator=torch.Generator().manual_seed(args.seed + 1 + ctx.rank),
     )
+
+
+def make_eval_loader(args, ctx, eval_set):
+    # rank r evaluates samples r, r + world size... (no padding: each sample counted once)
+    share = range(ctx.rank, len(eval_set), ctx.world_size)
+    return DataLoader(eval_set, args.batch_size, sampler=share, **loader_options(args, ctx))
+
+
+def start_workers(loader):
+    """A DataLoader's persistent workers, started now (each later iter() reuses them)."""
+    if loader.num_workers > 0:
+        iter(loader)
+
+
+def make_autocast(args, device):
+    """--amp's autocast and its dtype; without it no autocast at all (even a disabled one costs
+    microseconds in every forward)."""
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    if amp_dtype is None:
+        return contextlib.nullcontext(), None
+    return torch.autocast(device.type, amp_dtype), amp_dtype
+
+
+def unpack_loss(output):
+    """compute_loss's result as (loss, count, metrics), its contract checked. A mean of no items
+    (0/0) weighs nothing: it becomes 0."""
+    loss, count, metrics = output, None, None
+    if isinstance(output, tuple) and len(output) == 2:
+        loss, count, metrics = *output, {}
+    elif isinstance(output, tuple) and len(output) == 3:
+        loss, count, metrics = output
     if not (torch.is_tensor(loss) and loss.ndim == 0 and isinstance(metrics, dict)):
+        shape = f", a loss of shape {list(loss.shape)}: its mean" if torch.is_tensor(loss) else ""
         fail(
             "compute_loss must return (loss, count) or (loss, count, {name: mean}): loss the mean "
-            f"over count items, a 0-dim tensor; it returned {type(out).__name__}"
-            f"{f', a loss of shape {list(loss.shape)}: its mean' if torch.is_tensor(loss) else ''}"
+            f"over count items, a 0-dim tensor; it returned {type(output).__name__}{shape}"
         )
-    if torch.is_tensor(n):
-        loss = torch.where(n > 0, loss, 0.0)
-    elif not n:
+    if not RESERVED_METRICS.isdisjoint(metrics):
+        taken = sorted(RESERVED_METRICS.intersection(metrics))
+        fail(f"compute_loss's metric {taken[0]!r} is one of the script's own names: rename it")
+    if torch.is_tensor(count):
+        loss = torch.where(count > 0, loss, 0.0)
+    elif not count:
         loss = loss.nan_to_num()
-    return loss, n, metrics
+    return loss, count, metrics
 
 
 def to_device(batch, device):
-    """A batch on the device: its tensors, in any nesting of tuples, lists and dicts."""
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
+    """A batch on the device: its tensors, in any nesting of tuples (named ones too), lists and
+    mappings; an object with a .to() of its own (a tokenizer's BatchEncoding) moves itself."""
+    if torch.is_tensor(batch):
+        return batch.to(device, non_blocking=True)
+    if hasattr(batch, "to"):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(to_device(value, device) for value in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch.to(device, non_blocking=True) if torch.is_tensor(batch) else batch
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch
 
 
 def ignore_signals(worker_id):
@@ -596,21 +1029,37 @@ def set_rng_state(state):
 
 
 def read_checkpoint(out_dir):
-    """(path, checkpoint): the out-dir's, or the one before where that is damaged; (None, None)."""
-    tried = []
-    for path in f"{out_dir}/checkpoint.pt", f"{out_dir}/checkpoint.prev.pt":
-        if os.path.exists(path):
-            try:  # Trap: map_location, else every rank loads onto the GPU that saved it
-                ckpt = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as exc:
-                tried.append(f"{path} is unreadable ({one_line(exc)})")
-                continue
-            if isinstance(ckpt, dict) and "progress" in ckpt:
-                if tried:
-                    log(f"{tried[0]}: resuming from {path}")
-                return path, ckpt
-            tried.append(f"{path} is not a checkpoint of {PROG}")
-    check(not tried, f"{'; '.join(tried)}: move it away to start over, or pass another --out-dir")
+    """(path, checkpoint): the out-dir's last checkpoint, or the one before where it is damaged;
+    (None, None) where there is none."""
+    stem = f"{out_dir}/checkpoint"
+    paths = [f"{stem}.pt", f"{stem}.prev.pt"]
+    if not os.path.exists(paths[0]):  # a crash between atomic_save's renames: the new one is here
+        paths.insert(1, f"{stem}.pt.tmp")
+    problems = []
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        try:  # Trap: map_location, else every rank loads onto the GPU that saved it
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            problems.append(f"{path} is unreadable ({one_line(exc)})")
+            continue
+        if not (isinstance(checkpoint, dict) and "progress" in checkpoint):
+            problems.append(f"{path} is not a checkpoint of {PROG}")
+            continue
+        check(
+            checkpoint.get("format") == CHECKPOINT_FORMAT,
+            f"{path} is of an older ddp_train.py (checkpoint format {checkpoint.get('format', 1)}, "
+            f"this one reads {CHECKPOINT_FORMAT}): finish its run with the script that wrote it, "
+            "or pass another --out-dir",
+        )
+        if problems:
+            log(f"{problems[0]}: resuming from {path}")
+        return path, checkpoint
+    check(
+        not problems,
+        f"{'; '.join(problems)}: move it away to start over, or pass another --out-dir",
+    )
     return None, None
 
 
@@ -638,7 +1087,8 @@ def check(ok, message):
 
 def fail(message, code=2, every_rank=False):
     """Stop with one line, no traceback: from rank 0 (all ranks have the same to say), or each."""
-    (print if every_rank else log)(f"{PROG}: error: {message}", file=sys.stderr)
+    if every_rank or os.environ.get("RANK", "0") == "0":
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
 

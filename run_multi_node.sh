@@ -77,11 +77,11 @@ on_signal() {
 }
 for sig in TERM INT HUP USR1; do trap "on_signal $sig" "$sig"; done
 
-first_host() {  # first host of a SLURM node list: "gpu[07-09,12],cpu1" -> gpu07
+first_host() {  # first host of a SLURM node list: "gpu[07-09,12]-ib,cpu1" -> gpu07-ib (as ddp_train.py's)
   local hosts  # scontrol knows every spelling, but needs a configured cluster; else parse it here
   if hosts=$(scontrol show hostnames "$1" 2>/dev/null) && [[ -n "$hosts" ]]; then echo "${hosts%%$'\n'*}"; return; fi
   local head=${1%%,*}
-  if [[ "$1" =~ ^([^,\[]*)\[([0-9]+) ]]; then head="${BASH_REMATCH[1]}${BASH_REMATCH[2]}"; fi
+  if [[ "$1" =~ ^([^,\[]*)\[([0-9]+)[^]]*\]([^,]*) ]]; then head="${BASH_REMATCH[1]}${BASH_REMATCH[2]}${BASH_REMATCH[3]}"; fi
   echo "$head"
 }
 
@@ -120,7 +120,7 @@ done
 
 # --slurm: two jobs (or two steps of one job) on one node need two ports, and all nodes of a step must
 # agree without talking: 61000-65499 is above Linux's ephemeral ports (32768-60999), where no outgoing
-# connection takes it by chance, and apart from ddp_train.py's bare-srun ports (15000 + job id % 20000);
+# connection takes it by chance (ddp_train.py picks a bare srun's port by the same rule);
 # job id x 11 + step id: 4500 consecutive jobs' first steps all differ, and so do the first 11 steps of
 # neighbouring jobs (11 is prime to 4500). A requeued job keeps its id: its restart count moves it to
 # another port, as the previous run's last processes may still hold the old one for a few seconds.
