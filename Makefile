@@ -22,6 +22,8 @@ TORCH_PIN := torch==2.13.0
 NUMPY_PIN := numpy==2.4.6
 PYTEST_PIN := pytest==9.0.3
 XDIST_PIN := pytest-xdist==3.8.0
+# The README's TensorBoard recipe, which the tests run as written.
+TENSORBOARD_PIN := tensorboard==2.20.0
 # make lint: every Python file as ruff formats it at line length 100.
 RUFF_PIN := ruff==0.14.0
 # Multi-node settings, passed to run_multi_node.sh (see its header).
@@ -42,7 +44,7 @@ PIP = -m pip install -q --disable-pip-version-check
 help:  ## these targets, one line each
 	@awk -F':.*## ' '/^[a-z%-]+:.*## / {sub("%", "N", $$1); printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-setup: $(VENV)/.ready  ## create .venv: the pinned CPU torch, numpy, pytest, pytest-xdist and ruff, unless present
+setup: $(VENV)/.ready  ## create .venv: the pinned CPU torch, numpy, pytest, pytest-xdist, ruff and tensorboard, unless present
 
 # Offline (a GPU node with its image's torch): what PYTHON imports is used, and what is missing but optional
 # (pytest-xdist, ruff) is said in one line each; torch, numpy and pytest missing stop here.
@@ -54,6 +56,7 @@ $(VENV)/.ready: Makefile
 	@$(PY) -c "import pytest" 2>/dev/null || $(PY) $(PIP) $(PYTEST_PIN)
 	@$(PY) -c "import xdist" 2>/dev/null || $(PY) $(PIP) $(XDIST_PIN) 2>/dev/null || echo "make setup: no pytest-xdist (offline?): make test runs one test at a time"
 	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) $(PIP) $(RUFF_PIN) 2>/dev/null || echo "make setup: no ruff (offline?): make lint cannot run"
+	@$(PY) -c "import tensorboard" 2>/dev/null || $(PY) $(PIP) $(TENSORBOARD_PIN) 2>/dev/null || echo "make setup: no tensorboard (offline?): the README test skips"
 	@$(PY) -c "import torch; v = torch.__version__; print('torch', v, 'ready in $(VENV)'); [2, 4] <= [int(p) for p in \
 	  v.split('.')[:2]] <= [2, 15] or print(f'make setup: torch {v} is outside 2.4 to 2.15, the versions tested; going on')"
 	@touch $@

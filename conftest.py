@@ -681,3 +681,39 @@ def slurm_cluster(slurm_session):
     yield slurm_session
     left = slurm_session.reset()
     assert not left, f"processes left running after the test (killed): {left}"
+
+
+# ---------------------------------------------------------------------------
+# The README's code blocks, as a newcomer runs them
+# ---------------------------------------------------------------------------
+
+
+def readme_blocks(path=ROOT / "README.md") -> list[tuple[str, str, str | None]]:
+    """The README's fenced bash and python blocks in order: (language, text, why it is not run or None).
+    A block is not run where the line before it says `<!-- not run by the tests: WHY -->`."""
+    blocks, why, lines = [], None, path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        marker = re.fullmatch(r"<!-- not run by the tests: (.*) -->", lines[i])
+        if marker:
+            why = marker.group(1)
+        elif lines[i] in ("```bash", "```python"):
+            end = lines.index("```", i + 1)
+            blocks.append((lines[i][3:], "\n".join(lines[i + 1 : end]), why))
+            why, i = None, end
+        i += 1
+    return blocks
+
+
+def fresh_checkout(repo: Path) -> Path:
+    """This project's tracked files in `repo`, with a .venv made (this Python, as `make setup` would
+    leave it where the Python it is made from has torch)."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout
+    for name in tracked.split():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, repo / name)
+    (repo / ".venv/bin").mkdir(parents=True)
+    (repo / ".venv/bin/python").write_text(f'#!/bin/sh\nexec {PY} "$@"\n')
+    (repo / ".venv/bin/python").chmod(0o755)
+    (repo / ".venv/.ready").touch()
+    return repo

@@ -52,7 +52,8 @@ except ImportError:
     numpy = None
 
 PROG = os.path.basename(sys.argv[0])  # this script's name in its lines, or yours (mine.py)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption: torchrun, SLURM, Kubernetes
+# Stop, save and exit 75: preemption (torchrun, SLURM, Kubernetes), and Ctrl-C
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 # ====== 1. Your task: replace these ==============================================================
@@ -164,7 +165,6 @@ class DistContext:
     """This process's place in the run."""
 
     rank: int  # 0 to world_size - 1, over all nodes
-    local_rank: int  # on this node
     world_size: int
     device: torch.device
     # small CPU messages (the stop flag, the random states, the barrier) go over gloo: on CPUs the
@@ -182,7 +182,7 @@ def init_distributed(timeout_s):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = pick_device(local_rank)
     if world_size == 1:
-        return DistContext(rank, local_rank, world_size, device)
+        return DistContext(rank, world_size, device)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = restart_store(timeout)  # None: torchrun's env:// rendezvous
     # DDP: join the process group: NCCL on GPUs, gloo on CPUs (a missing peer: an error in time)
@@ -204,7 +204,7 @@ def init_distributed(timeout_s):
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     else:
         cpu_group = dist.group.WORLD
-    return DistContext(rank, local_rank, world_size, device, cpu_group)
+    return DistContext(rank, world_size, device, cpu_group)
 
 
 def pick_device(local_rank):
@@ -357,12 +357,12 @@ def train(args, ctx):
     run = setup_training(args, ctx)
     plan, progress = run.plan, run.progress
     if progress.step >= plan.total_steps:
-        log(f"{args.out_dir} holds a finished run ({progress.step} steps): nothing to train. Raise")
-        log("--epochs or --max-steps to train on, or pass another --out-dir")
+        log(
+            f"{args.out_dir} holds a finished run ({progress.step} steps): nothing to train. Raise "
+            "--epochs or --max-steps to train on, or pass another --out-dir"
+        )
         return 0
     log_header(args, ctx, run)
-    if ctx.rank == 0:
-        os.makedirs(args.out_dir, exist_ok=True)
     stop = StopAgreement(ctx)
     speed = Throughput(progress.step, plan.total_steps)
     while progress.step < plan.total_steps and not stop.agreed:
@@ -396,8 +396,7 @@ def train(args, ctx):
             if eval_now and len(run.eval_loader.dataset):  # all ranks evaluate their share
                 records.append(("eval", evaluate(run.model, run.eval_loader, ctx, run.autocast)))
             if step == epoch_end:  # the end of an epoch, or of the run
-                epoch_s = time.perf_counter() - epoch_started
-                records.append(("epoch", epoch_figures(run, ctx, epoch, lr, epoch_s)))
+                records.append(("epoch", epoch_figures(run, ctx, epoch, lr, epoch_started)))
                 progress.epoch_totals = Totals()
             if save_now:  # all ranks: random states gathered; rank 0 writes; all wait for it
                 save_checkpoint(args, ctx, run)
@@ -406,8 +405,7 @@ def train(args, ctx):
                 write_record(record, args, ctx, run.model, plan.total_steps)
     stop.restore()
     if stop.agreed and progress.step < plan.total_steps:
-        log(f"stopped by a signal at step {progress.step}; checkpoint saved in {args.out_dir}:")
-        log("rerun the same command to resume (exit 75)")
+        log(f"stopped by a signal at step {progress.step}; saved: rerun to resume (exit 75)")
         return 75
     if ctx.rank == 0:  # Trap: save the raw module: DDP prefixes "module.", compile "_orig_mod."
         atomic_save(run.model.state_dict(), f"{args.out_dir}/model.pt")
@@ -440,7 +438,7 @@ def setup_training(args, ctx):
     progress = Progress(expected_count=expected_count)
     seed_everything(args.seed + 1 + ctx.rank)  # DDP: each rank a random stream of its own (dropout)
     if checkpoint:
-        progress = restore_checkpoint(parts, path, checkpoint, ctx)
+        progress = restore_checkpoint(args, parts, path, checkpoint, ctx)
     # DDP: each rank reads its own share of each epoch's shuffle (drop_last: equal shares)
     sampler = DistributedSampler(
         train_set, ctx.world_size, ctx.rank, seed=args.seed, drop_last=True
@@ -463,6 +461,8 @@ def setup_training(args, ctx):
         )
     train_model = torch.compile(ddp_model) if args.compile else ddp_model
     losses = LossSums(ctx.device, progress.step)
+    if ctx.rank == 0:
+        os.makedirs(args.out_dir, exist_ok=True)  # (after every check: a mistake writes nothing)
     return Run(
         plan, progress, model, ddp_model, train_model, parts, optimizers, schedulers, scaler,
         autocast, sampler, batches, loader, eval_loader, losses,
@@ -596,13 +596,13 @@ def sum_over_ranks(value, ctx):
     return total
 
 
-def epoch_figures(run, ctx, epoch, lr, epoch_s):
+def epoch_figures(run, ctx, epoch, lr, epoch_started):
     """All ranks: an epoch record's figures: its means, items and seconds, then the evaluation's."""
     totals, plan = run.progress.epoch_totals, run.plan
     steps = run.progress.step - epoch * plan.steps_per_epoch
     figures = totals.means("train_") | {f"train_{COUNT_UNIT}": totals.count, "lr": lr}
     figures |= {"train_samples": steps * plan.global_batch, "world_size": ctx.world_size}
-    figures["epoch_s"] = epoch_s
+    figures["epoch_s"] = time.perf_counter() - epoch_started
     if len(run.eval_loader.dataset):
         figures |= evaluate(run.model, run.eval_loader, ctx, run.autocast)
     return figures
@@ -686,7 +686,7 @@ def save_checkpoint(args, ctx, run):
         dist.barrier(group=ctx.cpu_group)  # Trap: nobody goes on, or exits, before it is written
 
 
-def restore_checkpoint(parts, path, checkpoint, ctx):
+def restore_checkpoint(args, parts, path, checkpoint, ctx):
     """Every stateful part as the checkpoint holds it, and this rank's random generators (on
     another world size, the fresh ones just seeded). Returns the run's progress."""
     try:
@@ -700,7 +700,37 @@ def restore_checkpoint(parts, path, checkpoint, ctx):
         set_rng_state(checkpoint["rng"][ctx.rank])
     progress = Progress.from_dict(checkpoint["progress"])
     log(f"resumed from {path} at step {progress.step}, saved by {saved_by} process(es)")
+    changed = [
+        f"--{name.replace('_', '-')} {value} (it had {checkpoint['args'][name]})"
+        for name, value in vars(args).items()
+        if name not in NOT_COMPARED and checkpoint["args"].get(name, value) != value
+    ]
+    if changed:
+        log(
+            f"flags unlike the checkpoint's run: {', '.join(changed)}. Its optimizers keep their "
+            "learning rate and weight decay, and it keeps its global batch; every other flag is "
+            "this command's (a new --epochs or --max-steps reshapes the schedule from here)"
+        )
+    if ctx.rank == 0:
+        drop_records_after(progress.step, args.out_dir)
     return progress
+
+
+def drop_records_after(step, out_dir):
+    """Rank 0, at a resume: metrics.jsonl without the records past the checkpoint's step (written
+    before a crash): the resumed run writes them again, once."""
+    path = f"{out_dir}/metrics.jsonl"
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            with contextlib.suppress(ValueError):  # (a line torn by the crash)
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+    with open(f"{path}.tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(f"{path}.tmp", path)
 
 
 class StopAgreement:
@@ -815,6 +845,7 @@ FLAGS = [
 AT_LEAST_ONE = ("epochs", "batch-size", "grad-accum")  # the script's other numbers: 0
 RESERVED_METRICS = {"loss", "samples", "tokens"}  # the script's own: train_loss, eval_samples...
 CHECKPOINT_FORMAT = 2  # 1: the checkpoints of ddp_train.py before its redesign
+NOT_COMPARED = ("out_dir", "eval_only", "spawn", "local_rank", "timeout")  # at a resume
 
 
 class OneLineParser(argparse.ArgumentParser):
