@@ -18,8 +18,8 @@ median and min-max over the rounds, then the ratios, each taken within a round.
     python bench_ddp_train.py               # 6 rounds, about 8 minutes on 2 cores
     python bench_ddp_train.py --quick       # 1 short round: checks that everything runs
     python bench_ddp_train.py --size        # ddp_train.py's code tokens (Python 3.11's tokenizer)
-    python bench_ddp_train.py --against OLD.py   # also ddp_1 and ddp_2 with another version of the
-                                                 # script (git show REV:ddp_train.py > OLD.py), side by side
+    python bench_ddp_train.py --against DIR/ddp_train.py   # also every configuration of the script
+        # with another version of it (git show REV:ddp_train.py > DIR/ddp_train.py), side by side
     python bench_ddp_train.py --gpu-modes   # make test-gpu's table: a short run in every GPU mode
 """
 
@@ -49,8 +49,11 @@ CONFIGS = {  # key: (processes, program)
 RATIOS = {("ddp_1", "hand_1"): 0.95, ("ddp_2", "tutorial_2"): 1.10, ("lm_1", "lm_hand_1"): 0.97}
 RATIOS[("lm_2", "lm_hand_2")] = 0.97
 # --against OLD.py: the same two runs with another version of the script; "not worse": about 1
+# (OLD.py must be named ddp_train.py, in a folder of its own: tinylm imports it by that name)
 AGAINST = {"against_1": (1, "against"), "against_2": (2, "against")}
+AGAINST |= {"against_lm_1": (1, "against_lm"), "against_lm_2": (2, "against_lm")}
 AGAINST_RATIOS = {("ddp_1", "against_1"): 1.0, ("ddp_2", "against_2"): 1.0}
+AGAINST_RATIOS |= {("lm_1", "against_lm_1"): 1.0, ("lm_2", "against_lm_2"): 1.0}
 TINYLM = """import sys
 sys.path[:0] = [{here!r}, {examples!r}]
 import ddp_train, tinylm
@@ -192,16 +195,17 @@ def command(opts, nproc, program, out: Path) -> list[str]:
     if program in ("ddp_train", "against"):
         path = opts.against if program == "against" else HERE / "ddp_train.py"
         script = [str(path), *common, "--num-samples", str(opts.num_samples)]
-    elif program == "lm":
+    elif program in ("lm", "against_lm"):
+        here = Path(opts.against).parent if program == "against_lm" else HERE
         (out / "tinylm_run.py").write_text(
-            TINYLM.format(here=str(HERE), examples=str(HERE / "examples"), samples=opts.lm_samples)
+            TINYLM.format(here=str(here), examples=str(HERE / "examples"), samples=opts.lm_samples)
         )
         script = [str(out / "tinylm_run.py"), *common]
     else:
         script = [str(HERE / "bench_ddp_train.py"), "--baseline", program, *common]
         script += ["--num-samples", str(opts.num_samples), "--lm-samples", str(opts.lm_samples)]
         script += ["--metrics", str(out / "metrics.jsonl")]
-    if program in ("ddp_train", "against", "lm"):
+    if program in ("ddp_train", "against", "lm", "against_lm"):
         script += ["--out-dir", str(out)]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return [sys.executable, *(launcher if nproc > 1 else []), *script]
@@ -223,7 +227,7 @@ def run_once(opts, key, workdir: Path) -> float:
         )
     epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     epochs = [e for e in epochs if e.get("kind", "epoch") == "epoch"]
-    counted = "train_tokens" if key.startswith("lm") else "train_samples"
+    counted = "train_tokens" if "lm" in key else "train_samples"
     return statistics.median(e[counted] / e["epoch_s"] for e in epochs[1:] or epochs)
 
 

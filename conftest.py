@@ -387,6 +387,11 @@ if "wide" in variant:
     ddp_train.build_model = lambda args: nn.Sequential(nn.Linear(ddp_train.FEATURES, 64), nn.Linear(64, 10))
 if "unused" in variant:
     ddp_train.build_model = lambda args: Sometimes(build_model(args))
+if "iterable" in variant:  # an IterableDataset: no __len__
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+    ddp_train.build_datasets = lambda args: (Stream(), None)
 if "namedtuple" in variant:  # batches as namedtuples
     ddp_train.collate_fn = lambda items: Batch(*collate_default(items))
 if "frozen" in variant:  # the first BatchNorm kept in eval mode (fine-tuning): no statistics move

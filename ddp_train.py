@@ -61,7 +61,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # What compute_loss's count counts: "samples", or "tokens" for a language model.
 COUNT_UNIT = "samples"
 
-# Your task's own flags, beside the script's: --name, its default (and so its type), what it does.
+# Your task's own flags, beside the script's: --name, its default (and so its type; False: a switch
+# that --name turns on), what it does. Read them as args.name_with_underscores.
 TASK_FLAGS = [
     ("num-samples", 32768, "the default task's training samples"),
     ("eval-samples", 4096, "the default task's evaluation samples (0: none)"),
@@ -120,8 +121,9 @@ def compute_loss(model, batch):
 
 
 def collate_fn(items):
-    """A list of items -> a batch: torch's default_collate stacks them (items of different shapes
-    need one that pads: examples/tinylm.py); a batch fetched whole (__getitems__) stays."""
+    """What the Dataset gave for a batch -> the batch: a list of items, which torch's
+    default_collate stacks (items of different shapes need one that pads: examples/tinylm.py); or
+    InMemory's whole batch, a tuple of tensors already, which stays."""
     return items if isinstance(items, tuple) else default_collate(items)
 
 
@@ -349,7 +351,7 @@ class Run:
     batches: "StepBatches"
     loader: DataLoader
     eval_loader: DataLoader
-    losses: "LossSums"  # this rank's, since the last all_reduce_losses()
+    rank_sums: "RankSums"  # this rank's loss sums, since the last all_reduce_losses()
 
 
 def train(args, ctx):
@@ -383,33 +385,43 @@ def train(args, ctx):
             save_now = args.save_every and step % args.save_every == 0
             save_now = save_now or step == epoch_end or stop.agreed
             if log_now or eval_now or save_now:  # all ranks: first, the losses since the last time
-                summed = all_reduce_losses(run, ctx)  # DDP: the loss all_reduce
-                progress.epoch_totals.add(summed)
-                progress.window_totals.add(summed)
-                speed.items += summed.count
+                reduced = all_reduce_losses(run, ctx)  # DDP: the loss all_reduce
+                progress.epoch_totals.add(reduced)
+                progress.window_totals.add(reduced)
+                speed.items += reduced.count
             records = []  # this step's, written below by rank 0
             if log_now:
                 figures = progress.window_totals.means("train_") | {"lr": lr}
                 figures["grad_norm"] = grad_norm.item()
                 records.append(("progress", figures | speed.figures(step)))
                 progress.window_totals = Totals()
-            if eval_now and len(run.eval_loader.dataset):  # all ranks evaluate their share
-                records.append(("eval", evaluate(run.model, run.eval_loader, ctx, run.autocast)))
             if step == epoch_end:  # the end of an epoch, or of the run
-                records.append(("epoch", epoch_figures(run, ctx, epoch, lr, epoch_started)))
+                epoch_record = epoch_figures(run, ctx, epoch, lr, epoch_started)
+                records.append(("epoch", epoch_record))
                 progress.epoch_totals = Totals()
             if save_now:  # all ranks: random states gathered; rank 0 writes; all wait for it
                 save_checkpoint(args, ctx, run)
+            # all ranks evaluate their share, after the save (a stop's grace period may be short)
+            if eval_now and len(run.eval_loader.dataset):
+                records.append(("eval", evaluate(run.model, run.eval_loader, ctx, run.autocast)))
+            if step == epoch_end and len(run.eval_loader.dataset):
+                epoch_record |= evaluate(run.model, run.eval_loader, ctx, run.autocast)
             for kind, figures in records:  # rank 0, after the save: report() may use the files
                 record = {"kind": kind, "step": step, "epoch": epoch + 1} | figures
                 write_record(record, args, ctx, run.model, plan.total_steps)
     stop.restore()
-    if stop.agreed and progress.step < plan.total_steps:
-        log(f"stopped by a signal at step {progress.step}; saved: rerun to resume (exit 75)")
+    return finish(args, ctx, run, stopped=stop.agreed)
+
+
+def finish(args, ctx, run, stopped):
+    """The exit code: 75 where a stop signal ended the run early (its checkpoint is saved); else
+    0, once rank 0 has saved the weights."""
+    if stopped and run.progress.step < run.plan.total_steps:
+        log(f"stopped by a signal at step {run.progress.step}; saved: rerun to resume (exit 75)")
         return 75
     if ctx.rank == 0:  # Trap: save the raw module: DDP prefixes "module.", compile "_orig_mod."
         atomic_save(run.model.state_dict(), f"{args.out_dir}/model.pt")
-    log(f"saved {args.out_dir}/model.pt after {progress.step} steps")
+    log(f"saved {args.out_dir}/model.pt after {run.progress.step} steps")
     return 0
 
 
@@ -460,12 +472,13 @@ def setup_training(args, ctx):
             gradient_as_bucket_view=True,
         )
     train_model = torch.compile(ddp_model) if args.compile else ddp_model
-    losses = LossSums(ctx.device, progress.step)
-    if ctx.rank == 0:
-        os.makedirs(args.out_dir, exist_ok=True)  # (after every check: a mistake writes nothing)
+    rank_sums = RankSums(ctx.device, progress.step)
+    if ctx.rank == 0:  # (after every check: a mistake writes nothing)
+        os.makedirs(args.out_dir, exist_ok=True)
+        drop_records_after(progress.step, args.out_dir)  # (a resumed run's: no record twice)
     return Run(
         plan, progress, model, ddp_model, train_model, parts, optimizers, schedulers, scaler,
-        autocast, sampler, batches, loader, eval_loader, losses,
+        autocast, sampler, batches, loader, eval_loader, rank_sums,
     )  # fmt: skip
 
 
@@ -512,11 +525,12 @@ def train_step(run, ctx, args, micro_batches, want_norm):
         with contextlib.nullcontext() if last or ctx.world_size == 1 else run.ddp_model.no_sync():
             with run.autocast:
                 loss, count, metrics = unpack_loss(compute_loss(run.train_model, batch))
-            run.losses.add(loss, count, metrics)
+            run.rank_sums.add(loss, count, metrics)
             if progress.expected_count is None:  # a token run's first step: guess from this one
                 first = sum_over_ranks(count, ctx) * run.plan.grad_accum
                 progress.expected_count = first.clamp(min=1)
             # DDP: DDP averages the ranks' gradients: a mean weighs its share of the step's count
+            # (samples: count x world / global batch, 1 / --grad-accum for full micro-batches)
             weight = count * ctx.world_size / progress.expected_count
             run.scaler.scale(loss * weight).backward()
         rank_items += count
@@ -542,7 +556,7 @@ def train_step(run, ctx, args, micro_batches, want_norm):
     return lr, grad_norm
 
 
-class LossSums:
+class RankSums:
     """This rank's training sums since the last all_reduce_losses(): of the loss and each metric,
     each mean weighed by its count; and the count. Kept on the device: no step waits for the GPU."""
 
@@ -564,14 +578,14 @@ def all_reduce_losses(run, ctx):
     """All ranks: every rank's training sums since the last call, added: the loss all_reduce of the
     tutorials (SUM: gloo's AVG is unreliable). Returns them as Totals; this rank's start again.
     A non-finite loss or weight stops every rank here, before any record or checkpoint has it."""
-    losses, step = run.losses, run.progress.step
-    names = list(losses.sums)
-    count = torch.as_tensor(losses.count, dtype=torch.float64, device=ctx.device)
-    packed = torch.stack([*losses.sums.values(), count])
+    rank_sums, step = run.rank_sums, run.progress.step
+    names = list(rank_sums.sums)
+    count = torch.as_tensor(rank_sums.count, dtype=torch.float64, device=ctx.device)
+    packed = torch.stack([*rank_sums.sums.values(), count])
     if ctx.world_size > 1:
         dist.all_reduce(packed)  # DDP: every rank's sums, added
     *sums, count = packed.tolist()
-    run.losses = LossSums(ctx.device, step)
+    run.rank_sums = RankSums(ctx.device, step)
     advice = (
         "the run diverged; nothing non-finite was saved. Lower --lr, or pass --clip-grad-norm 1.0"
     )
@@ -579,7 +593,7 @@ def all_reduce_losses(run, ctx):
         fail(f"the training loss is {sums[0]} at step {step}: {advice}", code=1)
     if not torch.stack([p.isfinite().all() for p in run.model.parameters()]).all():
         fail(f"the weights are not finite at step {step} (a non-finite gradient): {advice}", code=1)
-    samples = (step - losses.since_step) * run.plan.global_batch
+    samples = (step - rank_sums.since_step) * run.plan.global_batch
     check(
         COUNT_UNIT != "samples" or count == samples,
         f"compute_loss counted {count:g} for {samples} samples, but COUNT_UNIT is samples: "
@@ -597,14 +611,12 @@ def sum_over_ranks(value, ctx):
 
 
 def epoch_figures(run, ctx, epoch, lr, epoch_started):
-    """All ranks: an epoch record's figures: its means, items and seconds, then the evaluation's."""
+    """An epoch record's training figures: its means, items and seconds."""
     totals, plan = run.progress.epoch_totals, run.plan
     steps = run.progress.step - epoch * plan.steps_per_epoch
     figures = totals.means("train_") | {f"train_{COUNT_UNIT}": totals.count, "lr": lr}
     figures |= {"train_samples": steps * plan.global_batch, "world_size": ctx.world_size}
     figures["epoch_s"] = time.perf_counter() - epoch_started
-    if len(run.eval_loader.dataset):
-        figures |= evaluate(run.model, run.eval_loader, ctx, run.autocast)
     return figures
 
 
@@ -711,8 +723,6 @@ def restore_checkpoint(args, parts, path, checkpoint, ctx):
             "learning rate and weight decay, and it keeps its global batch; every other flag is "
             "this command's (a new --epochs or --max-steps reshapes the schedule from here)"
         )
-    if ctx.rank == 0:
-        drop_records_after(progress.step, args.out_dir)
     return progress
 
 

@@ -730,6 +730,7 @@ MISTAKES = {
     "loss not a mean": ([], dict(VARIANT="shape"), "a loss of shape [64]: its mean"),
     "count not samples": ([], dict(VARIANT="miscount"), "compute_loss counted 128 for 64 samples"),
     "metric named loss": ([], dict(VARIANT="reserved"), "metric 'loss' is one of the script's own"),
+    "an IterableDataset": ([], dict(VARIANT="iterable"), "needs a map-style Dataset (with __len__"),
     "older checkpoint": ([], {}, "is of an older ddp_train.py (checkpoint format 1"),
     "eval-only without a checkpoint": (["--eval-only"], {}, "--eval-only: there is no checkpoint"),
     "another model": (
