@@ -61,8 +61,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # What compute_loss's count counts: "samples", or "tokens" for a language model.
 COUNT_UNIT = "samples"
 
-# Your task's own flags, beside the script's: --name, its default (and so its type; False: a switch
-# that --name turns on), what it does. Read them as args.name_with_underscores.
+# Your task's own flags, beside the script's: --name, its default, what it does. The default gives
+# the type (0.0 for a float, not 0; False: a switch that --name turns on). Read it as args.name.
 TASK_FLAGS = [
     ("num-samples", 32768, "the default task's training samples"),
     ("eval-samples", 4096, "the default task's evaluation samples (0: none)"),
@@ -373,7 +373,7 @@ def train(args, ctx):
         run.sampler.set_epoch(epoch)  # Trap: without it every epoch repeats the first one's shuffle
         run.batches.skip_steps = progress.step - epoch * plan.steps_per_epoch  # (a resumed epoch)
         epoch_started = time.perf_counter()
-        micro_batches = iter(run.loader)  # the for over the DataLoader: --grad-accum a step
+        micro_batches = iter(run.loader)  # the DataLoader's: train_step's for takes a step's
         while progress.step < epoch_end and not stop.agreed:
             stop.vote()  # all ranks: whether this rank got a stop signal, as the step starts
             step = progress.step + 1
@@ -496,7 +496,7 @@ def make_plan(args, ctx, train_size, path, checkpoint):
     grad_accum, rest = divmod(global_batch, args.batch_size * ctx.world_size)
     if not grad_accum or rest:
         per_process = global_batch // ctx.world_size
-        hint = "" if global_batch % ctx.world_size == 0 else f", on a world size that divides it"
+        hint = "" if global_batch % ctx.world_size == 0 else ", on a world size that divides it"
         fail(
             f"the global batch of {global_batch} is not {ctx.world_size} processes x --batch-size "
             f"{args.batch_size} x a whole accumulation: pass a --batch-size that divides "
@@ -527,8 +527,8 @@ def train_step(run, ctx, args, micro_batches, want_norm):
                 loss, count, metrics = unpack_loss(compute_loss(run.train_model, batch))
             run.rank_sums.add(loss, count, metrics)
             if progress.expected_count is None:  # a token run's first step: guess from this one
-                first = sum_over_ranks(count, ctx) * run.plan.grad_accum
-                progress.expected_count = first.clamp(min=1)
+                first_count = sum_over_ranks(count, ctx) * run.plan.grad_accum
+                progress.expected_count = first_count.clamp(min=1)
             # DDP: DDP averages the ranks' gradients: a mean weighs its share of the step's count
             # (samples: count x world / global batch, 1 / --grad-accum for full micro-batches)
             weight = count * ctx.world_size / progress.expected_count
@@ -567,9 +567,11 @@ class RankSums:
         self.count = 0  # an int, or a tensor where compute_loss counts with one
 
     def add(self, loss, count, metrics):
-        for name, mean in {"loss": loss, **metrics}.items():
-            if name not in self.sums:
+        if not self.sums:  # the first micro-batch since the last reduction: a sum for each figure
+            for name in ("loss", *metrics):
                 self.sums[name] = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.sums["loss"] += loss.detach() * count
+        for name, mean in metrics.items():
             self.sums[name] += (mean.detach() if torch.is_tensor(mean) else mean) * count
         self.count += count
 
@@ -691,7 +693,7 @@ def save_checkpoint(args, ctx, run):
         checkpoint["rng"] = rng_states
         checkpoint["global_batch"] = run.plan.global_batch
         checkpoint["world_size"] = ctx.world_size
-        checkpoint["args"] = vars(args)
+        checkpoint["args"] = {k: v if type(v) in PLAIN else str(v) for k, v in vars(args).items()}
         stem = f"{args.out_dir}/checkpoint"
         atomic_save(checkpoint, f"{stem}.pt", previous=f"{stem}.prev.pt")
     if ctx.world_size > 1:
@@ -856,6 +858,7 @@ AT_LEAST_ONE = ("epochs", "batch-size", "grad-accum")  # the script's other numb
 RESERVED_METRICS = {"loss", "samples", "tokens"}  # the script's own: train_loss, eval_samples...
 CHECKPOINT_FORMAT = 2  # 1: the checkpoints of ddp_train.py before its redesign
 NOT_COMPARED = ("out_dir", "eval_only", "spawn", "local_rank", "timeout")  # at a resume
+PLAIN = (int, float, str, bool, type(None))  # what a weights_only torch.load reads back
 
 
 class OneLineParser(argparse.ArgumentParser):
