@@ -265,8 +265,10 @@ def test_one_sgd_step_over_tokens_is_w0_minus_lr_times_the_gradient_of_their_mea
 def test_a_step_without_a_single_token_changes_nothing(project, tmp_path):
     # "masked", 2 samples a step: steps 1 and 3 hold one token each (samples 19 and 69), step 2 none.
     # SGD: w3 = w0 - lr x the two tokens' gradients in turn, at the cosine's lr of steps 1 and 3 (x 1,
-    # x 0.25); the empty step neither moves the weights nor poisons them.
+    # x 0.25); the empty step neither moves the weights nor poisons them. A line at every step: step
+    # 2's has no train_loss (a mean over no token), not a division by zero.
     args = ["--num-samples", 100, *ONE_STEP[2:], "--max-steps", 3, "--batch-size", 2]
+    args += ["--log-every", 1]
     r = run(user_cmd(project, "python", *args), tmp_path, env=clean_env(VARIANT="sgd,masked"))
     x, y = build_datasets(args_of("--num-samples", 100))[0].tensors
     assert [i for i in shuffle(100, 0)[:6] if i % 10 == 9] == [19, 69]
@@ -282,6 +284,9 @@ def test_a_step_without_a_single_token_changes_nothing(project, tmp_path):
     assert epoch["train_tokens"] == 2 and epoch["train_loss"] == pytest.approx(
         sum(losses) / 2, rel=1e-6
     )
+    lines = r.records("progress")
+    assert [("train_loss" in line) for line in lines] == [True, False, True], lines
+    assert lines[0]["train_loss"] == pytest.approx(losses[0], rel=1e-6)
 
 
 @tier
