@@ -261,6 +261,7 @@ def cleanup_distributed(ctx):
     # for (a rare hang at exit): gloo's part outlives the group, then goes without the GIL
     # (pytorch/pytorch#154976)
     gloo_backend = ctx.cpu_group._get_backend(torch.device("cpu"))
+    ctx.cpu_group = None  # (its last reference: the group goes with destroy_process_group)
     dist.destroy_process_group()  # DDP: leave the process group
     del gloo_backend
 
