@@ -396,17 +396,19 @@ def train(args, ctx):
                 figures["grad_norm"] = grad_norm.item()
                 records.append(("progress", figures | speed.figures(step)))
                 progress.window_totals = Totals()
-            if step == epoch_end:  # the end of an epoch, or of the run
+            if eval_now and len(run.eval_loader.dataset):  # all ranks evaluate their share
+                records.append(("eval", evaluate(run.model, run.eval_loader, ctx, run.autocast)))
+            if step == epoch_end:  # the end of an epoch, or of the run; then its evaluation
                 epoch_record = epoch_figures(run, ctx, epoch, lr, epoch_started)
+                if len(run.eval_loader.dataset):
+                    epoch_record |= evaluate(run.model, run.eval_loader, ctx, run.autocast)
                 records.append(("epoch", epoch_record))
                 progress.epoch_totals = Totals()
-            if save_now:  # all ranks: random states gathered; rank 0 writes; all wait for it
+            # all ranks: random states gathered; rank 0 writes; all wait for it. Last, after the
+            # evaluations: Trap: a rank that leaves right after a collective of Python tensors (an
+            # all_gather_object) can abort at exit ("terminate called"), as gloo frees them late
+            if save_now:
                 save_checkpoint(args, ctx, run)
-            # all ranks evaluate their share, after the save (a stop's grace period may be short)
-            if eval_now and len(run.eval_loader.dataset):
-                records.append(("eval", evaluate(run.model, run.eval_loader, ctx, run.autocast)))
-            if step == epoch_end and len(run.eval_loader.dataset):
-                epoch_record |= evaluate(run.model, run.eval_loader, ctx, run.autocast)
             for kind, figures in records:  # rank 0, after the save: report() may use the files
                 record = {"kind": kind, "step": step, "epoch": epoch + 1} | figures
                 write_record(record, args, ctx, run.model, plan.total_steps)
