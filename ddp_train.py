@@ -431,12 +431,7 @@ def finish(args, ctx, run, stopped):
 def setup_training(args, ctx):
     """All ranks: the data, the model, its optimizers and their state from the out-dir's last
     checkpoint (the run resumes), the DataLoaders and the DDP wrap, in running order."""
-    seed_everything(args.seed)  # first: a random split in build_datasets agrees across ranks
-    train_set, eval_set = build_datasets(args)
-    eval_set = eval_set or []
-    check_datasets(train_set, eval_set)
-    seed_everything(args.seed)  # the same initial weights, whatever the world size
-    model = build_model(args).to(ctx.device)
+    train_set, eval_set, model = build_task(args, ctx)
     if args.sync_bn:
         check(ctx.device.type == "cuda", "--sync-bn needs GPUs (SyncBatchNorm runs on CUDA)")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -483,6 +478,16 @@ def setup_training(args, ctx):
         plan, progress, model, ddp_model, train_model, parts, optimizers, schedulers, scaler,
         autocast, sampler, batches, loader, eval_loader, rank_sums,
     )  # fmt: skip
+
+
+def build_task(args, ctx):
+    """All ranks: (train_set, eval_set, model), the same on every rank and world size."""
+    seed_everything(args.seed)  # first: a random split in build_datasets agrees across ranks
+    train_set, eval_set = build_datasets(args)
+    eval_set = eval_set or []
+    check_datasets(train_set, eval_set)
+    seed_everything(args.seed)  # the same initial weights, whatever the world size
+    return train_set, eval_set, build_model(args).to(ctx.device)
 
 
 def make_plan(args, ctx, train_size, path, checkpoint):
@@ -662,12 +667,8 @@ def evaluate_checkpoint(args, ctx):
     and given to report() (metrics.jsonl holds the training's)."""
     path, checkpoint = read_checkpoint(args.out_dir)
     check(checkpoint, f"--eval-only: there is no checkpoint in {args.out_dir}: train first")
-    seed_everything(args.seed)
-    _, eval_set = build_datasets(args)
-    eval_set = eval_set or []
+    _, eval_set, model = build_task(args, ctx)
     check(len(eval_set) > 0, "--eval-only: build_datasets gives no eval set")
-    seed_everything(args.seed)
-    model = build_model(args).to(ctx.device)
     try:
         model.load_state_dict(checkpoint["model"][0])
     except RuntimeError as exc:
@@ -913,13 +914,11 @@ def torchrun_variables_from_slurm(env):
     variables["MASTER_ADDR"] = env.get("MASTER_ADDR") or first_host(env["SLURM_STEP_NODELIST"])
     # 61000-65499: above Linux's ephemeral ports; two jobs, or two steps of one job, on a node get
     # two ports; a requeued job moves to another (the last run's processes may still hold theirs)
-    job, step, requeues = (int(env.get(name, 0)) for name in SLURM_PORT_VARIABLES)
+    ids = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT")
+    job, step, requeues = (int(env.get(name, 0)) for name in ids)
     port = 61000 + (job * 11 + step + 2221 * requeues) % 4500
     variables["MASTER_PORT"] = env.get("MASTER_PORT") or str(port)
     return variables
-
-
-SLURM_PORT_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT")
 
 
 def first_host(nodelist):

@@ -852,14 +852,7 @@ def test_a_compiled_ddp_model_trains_the_same_run_and_saves_a_plain_state_dict(t
 @tier
 def test_make_train_and_train_cpu_run_a_script_of_yours_each_in_its_own_out_dir(tmp_path):
     # a fresh checkout with its .venv made (this Python), and digits.py as the user's script
-    repo = tmp_path / "repo"
-    shutil.copytree(ROOT / "examples", repo / "examples")
-    for name in ("Makefile", "ddp_train.py", "run_single.sh", "run_multi_node.sh"):
-        shutil.copy(ROOT / name, repo)
-    (repo / ".venv/bin").mkdir(parents=True)
-    (repo / ".venv/bin/python").write_text(f'#!/bin/sh\nexec {PY} "$@"\n')
-    (repo / ".venv/bin/python").chmod(0o755)
-    (repo / ".venv/.ready").touch()
+    repo = fresh_checkout(tmp_path / "repo")
     for target, world in (("train", 1), ("train-cpu", 2)):
         make = ["make", "-s", target, "SCRIPT=examples/digits.py", "ARGS=--epochs 1 --log-every 0"]
         with Launch(make, tmp_path, target, env=clean_env(PYTHONPATH=None), cwd=repo) as launch:
