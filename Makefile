@@ -39,7 +39,7 @@ TORCH ?=
 TORCH_VENV = .venv-torch-$(TORCH)
 PIP = -m pip install -q --disable-pip-version-check
 
-.PHONY: help setup train train-cpu train-multinode test test-gpu test-torch lint bench clean
+.PHONY: help setup train train-cpu train-multinode test check test-gpu test-torch lint bench clean
 
 help:  ## these targets, one line each
 	@awk -F':.*## ' '/^[a-z%-]+:.*## / {sub("%", "N", $$1); printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -83,6 +83,15 @@ lint: setup  ## every Python file formatted as ruff format --line-length 100 wri
 
 test: setup  ## the whole test suite: real processes, two tests at a time (pytest-xdist)
 	$(PY) -m pytest -q $$($(PY) -c "import xdist" 2>/dev/null && echo --numprocesses=2) test_ddp_train.py
+
+# make check: the guarantees, on your script (SCRIPT) with your flags (ARGS), in real processes on the
+# CPU: one line each. CHECKS=2,3 runs only those. Its launches stay in out/check/SCRIPT until the next.
+CHECKS ?=
+check: setup  ## the guarantees on your copy: make check SCRIPT=mine.py ARGS="--batch-size 8"
+	@mkdir -p out/check
+	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -qq -s -o addopts= --tb=no -rE -p no:cacheprovider \
+	  --basetemp=out/check/$(basename $(notdir $(SCRIPT))) test_ddp_train.py::test_your_copy \
+	  --copy="$(SCRIPT)" --copy-args="$(ARGS)" --copy-checks="$(CHECKS)"
 
 # PyPI's torch for Linux is a CUDA build (about 3 GB with its packages; it runs on the CPU). An exact version
 # asked for is installed even where a pip constraint file caps torch (PIP_CONSTRAINT).

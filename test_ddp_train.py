@@ -11,6 +11,7 @@ import signal
 import io
 import random
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -31,6 +32,7 @@ from conftest import (
     SCRIPT,
     Launch,
     assert_same_weights,
+    check_copy,
     clean_env,
     free_port,
     fresh_checkout,
@@ -928,6 +930,7 @@ def test_make_help_lists_every_target_once():
         "train-Ngpu",
         "train-multinode",
         "test",
+        "check",
         "test-gpu",
         "test-torch",
         "lint",
@@ -1164,3 +1167,212 @@ def test_two_gpus_with_sync_bn_train_like_one_with_their_global_batch(project, t
     assert (
         abs(two.records("epoch")[-1]["train_loss"] - one.records("epoch")[-1]["train_loss"]) < 0.1
     )
+
+
+# ---------------------------------------------------------------------------
+# Check your copy: make check, on the shipped tasks and on copies of a task that break a guarantee
+# ---------------------------------------------------------------------------
+
+
+def test_your_copy(request, tmp_path):
+    """make check SCRIPT=mine.py ARGS="...": the guarantees on your script, one line each."""
+    script = request.config.getoption("--copy")
+    if not script:
+        pytest.skip('make check SCRIPT=mine.py ARGS="...": the guarantees, on your copy')
+    only = [int(n) for n in request.config.getoption("--copy-checks").split(",") if n.strip()]
+    args = shlex.split(request.config.getoption("--copy-args"))
+    if not Path(script).is_file():  # (make check shows no pytest report: its lines say it all)
+        print(f"make check: there is no {script}: SCRIPT=your script, as make train takes it")
+        pytest.fail("no script")
+    try:
+        verdicts = check_copy(script, args, tmp_path, only)
+    except Exception as exc:
+        print(f"make check: the check itself failed: {exc!r}")
+        raise
+    failed = [v.number for v in verdicts if v.status == "FAIL"]
+    assert not failed, f"guarantees {failed} fail: the lines above say why"
+
+
+# Copies of a task, each as a user would write it: the changes to the default task (or tinylm) and,
+# for a broken one, the guarantees the check must fail with a word its cause must say.
+COPY_HEAD = """import argparse, os, random, sys
+import torch, torch.nn as nn, torch.nn.functional as F
+import ddp_train
+from ddp_train import CLASSES, FEATURES
+build_default, model_default = ddp_train.build_datasets, ddp_train.build_model
+loss_default = ddp_train.compute_loss
+"""
+COPY_TAIL = """
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+"""
+BROKEN_COPIES = {
+    "summed-loss": (
+        {2: "a sum", 3: "a sum"},
+        """
+def compute_loss(model, batch):
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs), targets, reduction="sum"), len(targets)
+ddp_train.compute_loss = compute_loss
+""",
+    ),
+    "rank-dependent-dataset": (
+        {4: "depends on the rank", 2: "different data"},
+        """
+def build_datasets(args):  # each rank its own samples
+    rank = int(os.environ.get("RANK", 0))
+    return build_default(argparse.Namespace(**{**vars(args), "seed": args.seed + rank}))
+ddp_train.build_datasets = build_datasets
+""",
+    ),
+    "unseeded-split": (
+        {4: "does not seed"},
+        """
+def build_datasets(args):  # a split drawn by a generator that seeds itself from the OS
+    train_set, eval_set = build_default(args)
+    order = list(range(len(train_set)))
+    random.Random().shuffle(order)
+    return torch.utils.data.Subset(train_set, order[: len(order) // 2]), eval_set
+ddp_train.build_datasets = build_datasets
+""",
+    ),
+    "tokens-under-samples": (
+        {1: "COUNT_UNIT is samples"},
+        """
+import tinylm  # a language model, its COUNT_UNIT = "tokens" left out
+ddp_train.COUNT_UNIT = "samples"
+""",
+    ),
+    "no-set-epoch": ({8: "set_epoch"}, None),  # ddp_train.py itself, without its set_epoch line
+    "own-generator": (
+        {5: "does not hold"},
+        """
+noise = torch.Generator().manual_seed(0)  # a generator of its own: no checkpoint holds it
+def compute_loss(model, batch):
+    inputs, targets = batch
+    if model.training:
+        inputs = inputs + 0.1 * torch.randn(inputs.shape, generator=noise)
+    return loss_default(model, (inputs, targets))
+ddp_train.compute_loss = compute_loss
+""",
+    ),
+    "every-rank-writes": (
+        {1: "rank 1 wrote"},
+        """
+def compute_loss(model, batch):
+    path = f"debug_batch_rank{os.environ.get('RANK', 0)}.pt"
+    if not os.path.exists(path):
+        torch.save(batch, path)  # every rank writes its own first batch
+    return loss_default(model, batch)
+ddp_train.compute_loss = compute_loss
+""",
+    ),
+}
+CORRECT_COPIES = {  # that differ from the default task by design: the check passes them
+    "dropout": """
+def build_model(args):
+    layers = [nn.Linear(FEATURES, 256), nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, CLASSES)]
+    return nn.Sequential(*layers)
+ddp_train.build_model = build_model
+""",
+    "batchnorm": """
+def build_model(args):
+    layers = [nn.Linear(FEATURES, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, CLASSES)]
+    return nn.Sequential(*layers)
+ddp_train.build_model = build_model
+""",
+    "per-rank-init": """
+def build_model(args):
+    torch.manual_seed(1000 + int(os.environ.get("RANK", 0)))  # each rank its own initial weights
+    return model_default(args)
+ddp_train.build_model = build_model
+""",
+}
+
+
+def write_copy(directory: Path, name: str, body: str | None) -> Path:
+    """A copy of a task in a project directory of its own: NAME.py beside tinylm.py (and beside
+    ddp_train.py, which it imports from the repository, or which it is where body is None)."""
+    directory.mkdir()
+    shutil.copy(ROOT / "examples/tinylm.py", directory)
+    script = directory / f"{name.replace('-', '_')}.py"
+    if body is None:
+        source = Path(SCRIPT).read_text()
+        line = "        run.sampler.set_epoch(epoch)"
+        assert line in source
+        script.write_text(source.replace(line, "        pass  # (no set_epoch)"))
+    else:
+        script.write_text(COPY_HEAD + body + COPY_TAIL)
+    return script
+
+
+def make_check(tmp_path, script, args=(), checks=()) -> tuple[int, dict, str]:
+    """make check's command on a script: its exit code, its lines by guarantee, and its output."""
+    cmd = [
+        PY,
+        "-m",
+        "pytest",
+        "-o",
+        "addopts=",
+        "-s",
+        "-p",
+        "no:terminal",
+        "-p",
+        "no:cacheprovider",
+    ]
+    cmd += [f"--basetemp={tmp_path / 'check'}", "test_ddp_train.py::test_your_copy"]
+    cmd += [f"--copy={script}", f"--copy-args={shlex.join(map(str, args))}"]
+    cmd += [f"--copy-checks={','.join(map(str, checks))}"]
+    with Launch(cmd, tmp_path, "make-check") as launch:
+        code = launch.wait(timeout=300)
+    lines = {}
+    for line in launch.stdout.splitlines():
+        m = re.match(r"(pass|FAIL|n/a) +(\d)\. ", line)
+        if m:
+            lines[int(m.group(2))] = (m.group(1), line)
+    return code, lines, launch.stdout + launch.stderr
+
+
+@pytest.mark.parametrize("copy", BROKEN_COPIES)
+def test_make_check_names_the_guarantee_a_broken_copy_breaks_and_why(tmp_path, copy):
+    fails, body = BROKEN_COPIES[copy]
+    script = write_copy(tmp_path / "project", copy, body)
+    args = ["--workers", 1] if copy == "own-generator" else []  # (not taken for augmentation)
+    code, lines, output = make_check(tmp_path, script, args, checks=sorted(fails))
+    assert code == 1 and set(lines) == set(fails), output
+    for number, cause in fails.items():
+        status, line = lines[number]
+        assert status == "FAIL" and cause in line, output
+
+
+@pytest.mark.parametrize("copy", CORRECT_COPIES)
+def test_make_check_passes_a_correct_copy_that_differs_by_design(tmp_path, copy):
+    script = write_copy(tmp_path / "project", copy, CORRECT_COPIES[copy])
+    code, lines, output = make_check(tmp_path, script)
+    assert code == 0 and len(lines) == 8 and ", 0 fail (" in output, output
+    expected = {"dropout": "Dropout", "batchnorm": "BatchNorm1d", "per-rank-init": None}[copy]
+    assert all(status == "pass" for n, (status, _) in lines.items() if n != 2), output
+    if expected:  # N x B and 1 x N*B differ by design: said, not failed
+        assert lines[2][0] == "n/a" and expected in lines[2][1], output
+    else:
+        assert lines[2][0] == "pass", output
+
+
+@pytest.mark.parametrize(
+    "task", [pytest.param("ddp_train.py", marks=tier), "examples/digits.py", "examples/tinylm.py"]
+)
+def test_make_check_passes_every_shipped_task(tmp_path, task):
+    repo = fresh_checkout(tmp_path / "repo")
+    make = ["make", "-s", "check", f"SCRIPT={task}"]
+    with Launch(make, tmp_path, "make", env=clean_env(PYTHONPATH=None), cwd=repo) as launch:
+        code = launch.wait(timeout=300)
+    # N x B and 1 x N*B: equal for the default task; by design not for digits' BatchNorm, dropout
+    # and augmentation, nor for tinylm's dropout: said, and not failed
+    by_design = {"ddp_train.py": [], "examples/digits.py": ["BatchNorm2d", "Dropout", "Dataset"]}
+    layers = by_design.get(task, ["Dropout"])
+    summary = f"{8 - bool(layers)} pass, {int(bool(layers))} n/a, 0 fail"
+    assert code == 0 and summary in launch.stdout, launch.stdout + launch.stderr
+    for name in layers:
+        assert re.search(rf"^n/a +2\. .*{name}", launch.stdout, re.M), launch.stdout
+    name = Path(task).stem  # the runs, in the project's out/ as make train's
+    assert (repo / "out/check" / name / "test_your_copy0/records/torchrun/run.out").exists()
