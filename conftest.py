@@ -927,6 +927,13 @@ class CopyCheck:
             "final": str(self.work / "python/model.pt"),
         }
 
+    def eval_set_size(self):
+        """The eval set's length, as build_datasets gave it (python's launch); None: unknown."""
+        if not self.lines("python", "data.0"):
+            return None
+        described = self.data("python", 0)["eval"]
+        return described["len"] if described else 0
+
     def probe(self) -> dict:
         return json.loads(self.lines("probe", "probe.json")[0])
 
@@ -1082,7 +1089,7 @@ def check_same_data(c: CopyCheck) -> Verdict:
 
 def same_set(part, rank_0, rank_1, other):
     """Check 4 for one of the sets (None where build_datasets gives none)."""
-    if rank_0 is None:
+    if not rank_0 or not rank_0["len"]:
         return None
     size = rank_0["len"]
     if not size == rank_1["len"] == other["len"]:
@@ -1159,8 +1166,6 @@ def check_resume(c: CopyCheck) -> Verdict:
 
 def check_eval(c: CopyCheck) -> Verdict:
     one, two = (json.loads(c.lines(name, "records.jsonl")[-1]) for name in ("eval_1", "eval_2"))
-    if "eval_loss" not in one:
-        return Verdict(6, "n/a", "build_datasets gives no eval set")
     gaps = {name: relative(two[name], value) for name, value in one.items() if "eval_" in name}
     worst = max(gaps, key=gaps.get)
     items = list(range(one["eval_samples"]))
@@ -1244,7 +1249,12 @@ def check_copy(script, args: list[str], work: Path, only=()) -> list[Verdict]:
     for n in numbers:
         problem = c.launch_problem(NEEDS[n])
         try:
-            verdict = Verdict(n, "FAIL", problem, "its line names it") if problem else CHECKS[n](c)
+            if n == 6 and c.eval_set_size() == 0:  # (--eval-only refuses to run, as it should)
+                verdict = Verdict(6, "n/a", "build_datasets gives no eval set")
+            elif problem:
+                verdict = Verdict(n, "FAIL", problem, "its line names it")
+            else:
+                verdict = CHECKS[n](c)
         except Exception as exc:  # (a launch left something else than the check expects)
             figure = f"the check could not read its launches: {one_line(repr(exc))}"
             verdict = Verdict(n, "FAIL", figure, "a loop the wrapper cannot follow: see run.err")
