@@ -783,7 +783,7 @@ NEEDS = {  # the launches each check reads
     2: ("python", "spawn", "accum", "grad_x2", "probe"),
     3: ("python", "torchrun", "probe"),
     4: ("python", "torchrun"),
-    5: ("torchrun", "stopped", "resumed"),
+    5: ("python", "torchrun", "stopped", "resumed"),  # (python: to tell if the data differ)
     6: ("python", "eval_1", "eval_2"),
     7: ("probe",),
     8: ("torchrun",),
@@ -988,19 +988,29 @@ def check_launch_modes(c: CopyCheck) -> Verdict:
 def by_design(p: dict, random_reads: bool) -> str:
     """Why N x B and 1 x N*B differ for this model and data by design, or ''."""
     why = []
-    batch_statistics = p["batch_dependent"] and not p["random_in_training"]  # (else: the draws)
-    if any("BatchNorm" in m for m in p["modules"]) or batch_statistics:
-        names = [m for m in p["modules"] if "BatchNorm" in m] or ["a layer that mixes items"]
+    batch_norms = [m for m in p["modules"] if "BatchNorm" in m]
+    if batch_norms:
         why.append(
-            f"your model has {names[0]}: its statistics are per process's batch, so N x B and "
-            "1 x N*B differ by design (--sync-bn on GPUs)"
+            f"your model has {batch_norms[0]}: its statistics are per process's batch, so N x B "
+            "and 1 x N*B differ by design (--sync-bn on GPUs)"
         )
+    elif p["stateful"] or (p["batch_dependent"] and not p["random_in_training"]):
+        what = "output for an item depends on the rest of its batch"
+        if p["stateful"]:
+            what = f"{p['stateful'][0]} keeps state that training moves"
+        why.append(f"in training, your model's {what}: per process, by design")
     if p["random_in_training"]:
         names = [m for m in p["modules"] if "Dropout" in m] or ["random draws in training"]
         why.append(f"it has {names[0]}: each process draws its own random numbers")
     if random_reads:
         why.append("your Dataset draws random numbers as it reads: each process its own")
     return "; ".join(why)
+
+
+def loss_mixes_items(p: dict) -> bool:
+    """In evaluation, a batch's loss is not the count-weighted mean of its items' (a sum, or a
+    mean of means)."""
+    return relative(p["batch_over_items"], 1.0) > TOLERANCE
 
 
 def check_equivalence(c: CopyCheck) -> Verdict:
@@ -1014,16 +1024,17 @@ def check_equivalence(c: CopyCheck) -> Verdict:
         f"{100 * TOLERANCE:g} to tell; plain SGD, installed by the check)"
     )
     p = c.probe()
-    summed = p["loss_2b_over_b"] > 1.5  # (a summed loss mixes items too: not by design)
     design = by_design(p, c.data("python", 0)["train"]["random_reads"])
-    if design and not summed:
+    if design and not loss_mixes_items(p):  # (a loss that mixes items does so by no design)
         return Verdict(2, "n/a", f"{figure}: {design}")
     if control < 100 * TOLERANCE:
         return Verdict(2, "n/a", f"{figure}: the weights move too little to tell: raise --lr")
     if max(gap["spawn"], gap["accum"]) <= TOLERANCE:
         return Verdict(2, "pass", figure)
-    if summed:
+    if p["loss_2b_over_b"] > 1.5:
         cause = "compute_loss returns a sum, which grows with the batch (see 3)"
+    elif loss_mixes_items(p):
+        cause = "compute_loss's loss is not the mean over its count items (see 3)"
     elif gap["accum"] <= TOLERANCE:
         cause = "the processes train on different data (see 4), or their gradients are not averaged"
     else:
@@ -1033,19 +1044,26 @@ def check_equivalence(c: CopyCheck) -> Verdict:
 
 def check_mean(c: CopyCheck) -> Verdict:
     p, figures, causes = c.probe(), [], []
-    ratio = p["loss_2b_over_b"]
+    ratio, per_item = p["loss_2b_over_b"], p["batch_over_items"]
     figures.append(
-        f"the loss of {c.g} items / the count-weighted mean of its two halves' = {ratio:.3f} (a "
-        "mean: 1, a sum: 2)"
+        f"in evaluation, a batch's loss / the count-weighted mean of its items' = {per_item:.4f} "
+        f"(a mean: 1); {c.g} items' / their two halves' = {ratio:.3f} (a sum: 2)"
     )
     if ratio > 1.5:
         causes.append(
             "compute_loss returns a sum, which grows with the batch: return the mean over its "
             "count items (F.cross_entropy's default reduction)"
         )
+    elif loss_mixes_items(p):
+        causes.append(
+            "compute_loss weighs a batch's items otherwise than by their count (a mean of "
+            "per-sample means?): return the mean over all the items its count counts"
+        )
     if p["random_in_training"] or c.data("torchrun", 0)["train"]["random_reads"]:
         what = "training" if p["random_in_training"] else "the Dataset, as it reads,"
         figures.append(f"step 1 not recomputed: {what} draws random numbers")
+    elif check_same_data(c).status == "FAIL":
+        figures.append("step 1 not recomputed: the ranks' data differ (see 4)")
     else:
         logged, alone = c.results["torchrun"].records("progress")[0]["train_loss"], p["step_1"]
         how = "micro-batch by micro-batch" if p["batch_dependent"] else "item by item"
@@ -1119,8 +1137,9 @@ def same_set(part, rank_0, rank_1, other):
     if across_ranks < n:
         return Verdict(
             4, "FAIL", figure, "build_datasets depends on the rank (RANK, LOCAL_RANK, "
-            "dist.get_rank()): every rank builds the whole set, and DistributedSampler gives each "
-            "its share",
+            "dist.get_rank(), or random numbers drawn at a first read, after the script seeds each "
+            "rank its own): every rank builds the whole set, and DistributedSampler gives each its "
+            "share",
         )  # fmt: skip
     return Verdict(4, "pass", figure)
 
@@ -1151,6 +1170,8 @@ def check_resume(c: CopyCheck) -> Verdict:
             5, "FAIL", f"{figure}; the two runs trained other batches",
             "the sampler, or the loop's skipping of the steps an epoch trained, was changed",
         )  # fmt: skip
+    if check_same_data(c).status == "FAIL":
+        return Verdict(5, "FAIL", figure, "the data differ from process to process (see 4)")
     if c.workers and c.data("torchrun", 0)["train"]["random_reads"]:
         return Verdict(
             5, "pass", f"{figure}: the same batches in the same order; not bit-identical, as the "
@@ -1182,8 +1203,9 @@ def check_eval(c: CopyCheck) -> Verdict:
     if gaps[worst] <= TOLERANCE and all(once):
         return Verdict(6, "pass", figure)
     return Verdict(
-        6, "FAIL", figure, "the eval loader's sampler, or the sums over the ranks, were changed: "
-        "rank r evaluates items r, r + world size..., and the ranks' sums (not means) are added",
+        6, "FAIL", figure, "a loss that is not the mean over its count (see 3); else the eval "
+        "loader's sampler, or the sums over the ranks, were changed: rank r evaluates items r, "
+        "r + world size..., and the ranks' sums (not means) are added",
     )  # fmt: skip
 
 
@@ -1487,12 +1509,11 @@ def install(target):
     names = ("build_datasets", "build_model", "compute_loss", "report")
     task = {name: getattr(target, name) for name in names}  # the user's
     training_calls = [0]
+    built = {}  # the user's Datasets, as build_datasets gave them
 
     def build_datasets(args):
         train_set, eval_set = task["build_datasets"](args)
-        if "CHECK_DESCRIBE" in env:
-            sets = {"train": describe(train_set), "eval": describe(eval_set)}
-            record(f"data.{RANK}", json.dumps(sets))
+        built.update(train=train_set, eval=eval_set)
         if hasattr(train_set, "__len__"):
             train_set = Recorded(train_set, "train", int(env["CHECK_TRAIN_ITEMS"]))
         if eval_set is not None and hasattr(eval_set, "__len__"):
@@ -1508,6 +1529,10 @@ def install(target):
     def compute_loss(model, batch):
         if model.training:
             training_calls[0] += 1
+            # the sets, once this rank trains (past the script's seeds per rank, its first reads)
+            if training_calls[0] == 1 and "CHECK_DESCRIBE" in env:
+                sets = {part: describe(dataset) for part, dataset in built.items()}
+                record(f"data.{RANK}", json.dumps(sets))
             first_run = env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
             if RANK == "0" and first_run and training_calls[0] == int(env.get("CHECK_STOP_AT", 0)):
                 stop_torchrun()
@@ -1566,7 +1591,8 @@ def seed_all(seed):
 
 
 class Losses:
-    """compute_loss over batches of a Dataset, its model made afresh with given weights."""
+    """compute_loss over batches of a Dataset at given weights: each batch in a model of its own,
+    made afresh, as a fresh process computes it (a layer with state starts from the weights')."""
 
     def __init__(self, args, task, collate_fn):
         self.args, self.task, self.collate_fn = args, task, collate_fn
@@ -1577,13 +1603,14 @@ class Losses:
         model.train(train)
         return model.double() if float64 else model
 
-    def mean(self, model, dataset, batches, float64=False, seed=0):
+    def mean(self, weights, train, dataset, batches, float64=False, seed=0):
         """The count-weighted mean of compute_loss over batches (lists of indices), and the
-        count; the model's random draws (dropout) from `seed`."""
-        batches = [self.collate_fn(read(dataset, indices)) for indices in batches]
-        seed_all(seed)
+        count; in training mode or not; the model's random draws (dropout) from `seed`."""
         total, count = 0.0, 0.0
-        for batch in batches:
+        for indices in batches:
+            model = self.model(weights, train, float64)
+            batch = self.collate_fn(read(dataset, indices))
+            seed_all(seed)
             loss, n = self.task["compute_loss"](model, to_float64(batch) if float64 else batch)[:2]
             total += float(loss) * float(n)
             count += float(n)
@@ -1592,10 +1619,9 @@ class Losses:
     def mean_float64(self, weights, train, dataset, batches):
         """(mean, count), and the precision: float64 where the model and compute_loss allow."""
         try:
-            model = self.model(weights, train, float64=True)
-            return self.mean(model, dataset, batches, float64=True), "float64"
+            return self.mean(weights, train, dataset, batches, float64=True), "float64"
         except Exception:
-            return self.mean(self.model(weights, train), dataset, batches), "float32"
+            return self.mean(weights, train, dataset, batches), "float32"
 
 
 def probe(target, task, argv, inputs):
@@ -1610,6 +1636,7 @@ def probe(target, task, argv, inputs):
     losses = Losses(args, task, target.collate_fn)
     initial, final, micro_batches = inputs["initial"], inputs["final"], inputs["first_step"]
     items = [i for batch in micro_batches for i in batch]
+    each = [[i] for i in items]
     kinds = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.Dropout)
     layers = task["build_model"](args).modules()
     found = {"count_unit": target.COUNT_UNIT, "step_1": None, "eval_loss": None}
@@ -1619,24 +1646,34 @@ def probe(target, task, argv, inputs):
     with torch.no_grad():
         # one micro-batch from two random states: the same loss unless training draws randomly
         draws = [
-            losses.mean(losses.model(initial, True), train_set, micro_batches[:1], seed=seed)[0]
-            for seed in (1, 2)
+            losses.mean(initial, True, train_set, micro_batches[:1], seed=s)[0] for s in (1, 2)
         ]
         found["random_in_training"] = draws[0] != draws[1]
-        found["batch_dependent"] = depends_on_batch(losses, initial, train_set, micro_batches[0])
+        # in evaluation (no dropout, no batch statistics) a mean over a batch's count is the
+        # count-weighted mean of its items' losses, each alone; a sum is B times it
+        alone = losses.mean(initial, False, train_set, each)[0]
+        found["batch_over_items"] = losses.mean(initial, False, train_set, micro_batches)[0] / alone
+        found["item_counts"] = [losses.mean(initial, False, train_set, [i])[1] for i in each]
+        # a mean of 2B items is the count-weighted mean of its halves' means; a sum is their sum
+        both = losses.mean(initial, False, train_set, [items])[0]
+        halves = losses.mean(
+            initial, False, train_set, [items[: len(items) // 2], items[len(items) // 2 :]]
+        )[0]
+        found["loss_2b_over_b"] = both / halves if halves else 1.0
+        # in training: whether a layer's output depends on the rest of the batch (BatchNorm)
+        try:
+            batched = losses.mean(initial, True, train_set, micro_batches)[0]
+            found["batch_dependent"] = abs(
+                losses.mean(initial, True, train_set, each)[0] - batched
+            ) > 1e-5 * abs(batched)
+        except Exception:  # (BatchNorm of one item in training: an error)
+            found["batch_dependent"] = True
+        found["stateful"] = stateful_layers(losses, initial, train_set, micro_batches[0])
         if not found["random_in_training"]:  # step 1 item by item, or as each rank's micro-batch
-            per = micro_batches if found["batch_dependent"] else [[i] for i in items]
+            per = micro_batches if found["batch_dependent"] else each
             (found["step_1"], _), found["precision"] = losses.mean_float64(
                 initial, True, train_set, per
             )
-        # a mean of 2B items is the count-weighted mean of its halves' means; a sum is their sum
-        model = losses.model(initial, False)
-        both = losses.mean(model, train_set, [items])[0]
-        halves = losses.mean(
-            model, train_set, [items[: len(items) // 2], items[len(items) // 2 :]]
-        )[0]
-        found["loss_2b_over_b"] = both / halves if halves else 1.0
-        found["item_counts"] = [losses.mean(model, train_set, [[i]])[1] for i in items]
         if eval_set is not None and len(eval_set):  # the final weights, each eval item alone
             per_item = [[i] for i in range(len(eval_set))]
             (found["eval_loss"], _), _ = losses.mean_float64(final, False, eval_set, per_item)
@@ -1644,14 +1681,16 @@ def probe(target, task, argv, inputs):
     return found
 
 
-def depends_on_batch(losses, weights, dataset, micro_batch):
-    """Whether an item's loss in training depends on the other items of its batch (BatchNorm)."""
-    try:
-        alone = losses.mean(losses.model(weights, True), dataset, [[i] for i in micro_batch])[0]
-        batched = losses.mean(losses.model(weights, True), dataset, [micro_batch])[0]
-    except Exception:  # (BatchNorm of one item in training: an error)
-        return True
-    return abs(alone - batched) > 1e-5 * abs(batched)
+def stateful_layers(losses, weights, dataset, micro_batch):
+    """The kinds of layers whose buffers a forward in training moves (BatchNorm's statistics, a
+    running normalizer's): their state is per process."""
+    model = losses.model(weights, True)
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    losses.task["compute_loss"](model, losses.collate_fn(read(dataset, micro_batch)))
+    moved = [
+        name for name, buffer in model.named_buffers() if not torch.equal(buffer, before[name])
+    ]
+    return sorted({type(model.get_submodule(name.rpartition(".")[0])).__name__ for name in moved})
 
 
 def load_error(model, path):
