@@ -1404,3 +1404,24 @@ def test_make_check_passes_every_shipped_task(tmp_path, task):
         assert re.search(rf"^n/a +2\. .*{name}", launch.stdout, re.M), launch.stdout
     name = Path(task).stem  # the runs, in the project's out/ as make train's
     assert (repo / "out/check" / name / "test_your_copy0/records/torchrun/run.out").exists()
+
+
+def test_make_check_runs_again_a_launch_whose_process_aborted_at_exit(tmp_path):
+    # gloo's rare abort at exit, once, by rank 1 of the first two-process launch to end
+    script = write_copy(
+        tmp_path / "project",
+        "aborts-once",
+        """
+import atexit
+def abort_once():
+    if os.environ.get("RANK", "0") == "1" and not os.path.exists("aborted-once"):
+        open("aborted-once", "w").close()
+        sys.stderr.write("terminate called without an active exception\\n")
+        sys.stderr.flush()
+        os._exit(134)
+atexit.register(abort_once)
+""",
+    )
+    code, lines, output = make_check(tmp_path, script, checks=[1])
+    assert code == 0 and lines[1][0] == "pass", output
+    assert re.search(r"\(run again: (torchrun|spawn), whose process aborted at exit\)", output)
