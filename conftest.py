@@ -35,14 +35,12 @@ TIMEOUT = 150  # seconds for any one launch: a hang fails fast instead of eating
 
 
 def pytest_collection_modifyitems(items):
-    """First the tests that time their peers (two hosts, SLURM, the elastic restart's keep-alives),
-    whose long waits overlap the rest under pytest-xdist; last those that run make check, two
-    launches at a time, which would crowd the 2 cores under them."""
+    """The two-host and SLURM tests first: the longest waits overlap the rest under pytest-xdist.
+    Last, those that run make check (two launches at a time, which would crowd the 2 cores under
+    the tests that time their peers, as the elastic restart's keep-alives)."""
 
     def order(item):
         if item.get_closest_marker("multinode") or item.get_closest_marker("slurm"):
-            return 0
-        if "elastic_restart" in item.name:
             return 0
         return 2 if "make_check" in item.name or "readme_block" in item.name else 1
 
