@@ -21,6 +21,10 @@ median and min-max over the rounds, then the ratios, each taken within a round.
     python bench_ddp_train.py --against DIR/ddp_train.py   # also every configuration of the script
         # with another version of it (git show REV:ddp_train.py > DIR/ddp_train.py), side by side
     python bench_ddp_train.py --gpu-modes   # make test-gpu's table: a short run in every GPU mode
+    python bench_ddp_train.py --resume-memory [--against DIR/ddp_train.py]   # the host memory of 2
+        # ranks while they resume a checkpoint of about 600 MB, up to their first step, sampled every
+        # 10 ms: the peak of their PSS summed (a page that both map counts once) and of their
+        # anonymous memory summed
 """
 
 from __future__ import annotations
@@ -360,6 +364,77 @@ def resumed(cmd, out: Path, env, whole) -> int:
 # ---------------------------------------------------------------------------
 
 
+WIDE = """import sys
+sys.path.insert(0, {here!r})
+import torch.nn as nn
+import ddp_train
+width = 4096  # 50M parameters: 200 MB of weights and 400 MB of AdamW's state, a checkpoint of 600 MB
+ddp_train.build_model = lambda args: nn.Sequential(
+    nn.Linear(ddp_train.FEATURES, width), *[nn.Linear(width, width) for _ in range(3)],
+    nn.Linear(width, ddp_train.CLASSES),
+)
+sys.exit(ddp_train.main())
+"""
+
+
+def memory_of(pids) -> tuple[int, int]:
+    """The PSS and the anonymous memory of these processes, each summed, in bytes."""
+    pss = anon = 0
+    for pid in pids:
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().split()
+            status = Path(f"/proc/{pid}/status").read_text().split()
+        except OSError:
+            continue
+        pss += int(rollup[rollup.index("Pss:") + 1]) * 1024
+        anon += int(status[status.index("RssAnon:") + 1]) * 1024
+    return pss, anon
+
+
+def workers_of(pid) -> list[int]:
+    """The processes that torchrun (pid) started."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with open(task / "children") as f:
+            children += [int(c) for c in f.read().split()]
+    return children
+
+
+def resume_memory(opts) -> int:
+    """Train one step of a wide model on torchrun 2 (a checkpoint of about 600 MB), then resume it
+    on torchrun 2, and sample the two ranks' memory until the header that precedes the first step:
+    with this script, and with --against's beside it. (From the first step on, the optimizer's
+    state is in memory anyway: on the CPU it is the restored tensors themselves.)"""
+    scripts = {"this": HERE}
+    if opts.against:
+        scripts["against"] = Path(opts.against).parent
+    for name, directory in scripts.items():
+        work = Path(tempfile.mkdtemp(prefix=f"resume-memory-{name}-"))
+        (work / "wide.py").write_text(WIDE.format(here=str(directory)))
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        flags = ["--nproc_per_node=2", str(work / "wide.py"), "--num-samples", "128"]
+        flags += ["--batch-size", "32", "--eval-samples", "0", "--out-dir", str(work / "out")]
+        subprocess.run([*launcher, *flags, "--max-steps", "1"], env=env, check=True)
+        size = (work / "out/checkpoint.pt").stat().st_size
+        log = work / "resumed.out"
+        with open(log, "w") as out:
+            resumed = subprocess.Popen([*launcher, *flags, "--max-steps", "2"], env=env, stdout=out)
+        peak_pss = peak_anon = 0
+        while resumed.poll() is None and "global batch" not in log.read_text():
+            pss, anon = memory_of(workers_of(resumed.pid))
+            peak_pss, peak_anon = max(peak_pss, pss), max(peak_anon, anon)
+            time.sleep(0.01)
+        resumed.wait()
+        print(
+            f"{name}: a checkpoint of {size / 2**20:,.0f} MiB resumed on 2 ranks, up to the first "
+            f"step: peak PSS "
+            f"{peak_pss / 2**20:,.0f} MiB, peak anonymous memory {peak_anon / 2**20:,.0f} MiB "
+            f"(both summed over the ranks; exit {resumed.returncode})"
+        )
+    return 0
+
+
 def code_tokens(path=HERE / "ddp_train.py") -> dict:
     """The file's code tokens (Python's tokenize, without comments, strings, newlines, indentation and
     f-string parts: what a reader reads as code, whatever the formatting), and the lesson's: those
@@ -401,6 +476,9 @@ def main(argv=None):
         "--size", action="store_true", help="ddp_train.py's size in code tokens and lines"
     )
     p.add_argument("--against", help="another version of ddp_train.py, run beside this one")
+    p.add_argument(
+        "--resume-memory", action="store_true", help="the ranks' memory as they resume 600 MB"
+    )
     p.add_argument("--baseline", choices=tuple(BASELINES), help=argparse.SUPPRESS)
     p.add_argument("--metrics", help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
@@ -409,6 +487,8 @@ def main(argv=None):
         return BASELINES[opts.baseline](opts)
     if opts.gpu_modes:
         return gpu_modes(opts)
+    if opts.resume_memory:
+        return resume_memory(opts)
     if opts.size:
         size = code_tokens()
         print(

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -32,19 +33,94 @@ SCRIPT = str(ROOT / "ddp_train.py")
 RUN_MULTI = str(ROOT / "run_multi_node.sh")
 PY = sys.executable
 TIMEOUT = 150  # seconds for any one launch: a hang fails fast instead of eating CI
+# A launch that times out gets SIGABRT first, so that Python prints every thread's stack
+# (PYTHONFAULTHANDLER). No core file is written.
+resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+
+# ---------------------------------------------------------------------------
+# The CPU load: process slots that every test process of a session shares through lock files
+# ---------------------------------------------------------------------------
+
+# The slots and the port counter live in a directory that the first pytest process of a session makes
+# and that its xdist workers and the make check runs it starts inherit through this variable.
+SLOTS_ENV = "DDP_TEST_SLOTS"
+INSIDE_A_SUITE = (
+    SLOTS_ENV in os.environ
+)  # True in an xdist worker and in a make check that a test runs
+ALL_SLOTS = 2 * (os.cpu_count() or 1)  # two busy processes per core at most
+PEER_TIMEOUT = 60  # every launch's --timeout: a lost peer ends in the script's own line
 
 
-def pytest_collection_modifyitems(items):
-    """The two-host and SLURM tests first: the longest waits overlap the rest under pytest-xdist.
-    Last, those that run make check (two launches at a time, which would crowd the 2 cores under
-    the tests that time their peers, as the elastic restart's keep-alives)."""
+def pytest_configure(config):
+    if SLOTS_ENV not in os.environ:
+        os.environ[SLOTS_ENV] = tempfile.mkdtemp(prefix="ddp-test-slots-")
 
-    def order(item):
-        if item.get_closest_marker("multinode") or item.get_closest_marker("slurm"):
-            return 0
-        return 2 if "make_check" in item.name or "readme_block" in item.name else 1
 
-    items.sort(key=order)
+class CpuSlots:
+    """A counting semaphore of process slots, made of lock files, which the pytest-xdist workers
+    and the make check runs that the tests start share. A launch takes one slot for each process
+    that it starts. A lock file is freed by the kernel when its holder dies, so a crashed test never
+    keeps a slot."""
+
+    reserved = 0  # the slots that this process holds for a whole test (see reserve_slots)
+
+    def __init__(self, count: int):
+        directory = Path(os.environ[SLOTS_ENV])
+        self.files = []
+        if count == 0 or CpuSlots.reserved:
+            return
+        assert count <= ALL_SLOTS, f"{count} slots asked for; there are {ALL_SLOTS}"
+        # One taker at a time holds the gate until it has all its slots, so a test that needs every
+        # slot is not starved by small launches.
+        with open(directory / "gate", "w") as gate:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            while len(self.files) < count:
+                for i in range(ALL_SLOTS):
+                    if len(self.files) == count:
+                        break
+                    f = open(directory / f"slot{i}", "w")
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        self.files.append(f)
+                    except BlockingIOError:
+                        f.close()
+                if len(self.files) < count:
+                    time.sleep(0.05)
+
+    def release(self):
+        for f in self.files:
+            f.close()
+        self.files = []
+
+
+@contextlib.contextmanager
+def reserve_slots(count=ALL_SLOTS):
+    """Slots for the launches inside the block, taken at once: for a test whose launches run side by
+    side (two of them could otherwise each hold half and wait for the rest), and all of them for a
+    test whose processes time their peers (keep-alives, a restart that waits for a node)."""
+    slots = CpuSlots(count)
+    CpuSlots.reserved = count
+    try:
+        yield
+    finally:
+        CpuSlots.reserved = 0
+        slots.release()
+
+
+def free_port() -> int:
+    """A port that no other test of the session takes and that the kernel never hands out to anyone
+    (it lies below Linux's ephemeral range), so that it cannot be taken between now and its use."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    with open(Path(os.environ[SLOTS_ENV]) / "ports", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        port = int(f.read() or low - 10000)
+        while not bindable(port):
+            port += 1
+        f.seek(0)
+        f.truncate()
+        f.write(str(port + 1))
+    return port
 
 
 @pytest.fixture(autouse=True)
@@ -71,40 +147,55 @@ def clean_env(**extra) -> dict:
         if not k.startswith(("SLURM_", "TORCHELASTIC_", "PET_")) and k not in launcher
     }
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(PYTHONFAULTHANDLER="1")  # a SIGABRT prints every thread's Python stack
     for k, v in extra.items():
         env.pop(k, None) if v is None else env.__setitem__(k, str(v))
     return env
 
 
-def free_port() -> int:
+def bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def marked(mark: str) -> list[int]:
-    """The live processes whose environment carries DDP_TEST_LAUNCH=mark: a launch and all it started."""
-    pids, needle = [], f"DDP_TEST_LAUNCH={mark}".encode()
+    """The live processes whose DDP_TEST_LAUNCH holds mark: a launch and all it started. A launch
+    inside a launch (make check in a test) adds its own mark to the one it inherits."""
+    pids = []
     for proc in Path("/proc").iterdir():
         try:
-            if needle in (proc / "environ").read_bytes().split(b"\0"):
-                if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    pids.append(int(proc.name))
+            for variable in (proc / "environ").read_bytes().split(b"\0"):
+                name, _, marks = variable.decode(errors="replace").partition("=")
+                if name == "DDP_TEST_LAUNCH" and mark in marks.split():
+                    if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                        pids.append(int(proc.name))
         except (OSError, ValueError):
             continue
     return pids
 
 
+def processes(cmd) -> int:
+    """The processes that a command of the script starts: N under torchrun or --spawn N, else 1."""
+    cmd = [str(c) for c in cmd]
+    for i, arg in enumerate(cmd):
+        m = re.fullmatch(r"--nproc[-_]per[-_]node=(\d+)", arg)
+        if m:
+            return int(m.group(1))
+        if arg == "--spawn":
+            return int(cmd[i + 1])
+    return 1
+
+
 class Result:
     """What a run left: its exit code, output and out-dir (its records and final weights)."""
 
-    def __init__(self, returncode, stdout, stderr, out_dir):
-        self.returncode, self.stdout, self.stderr, self.out_dir = (
-            returncode,
-            stdout,
-            stderr,
-            out_dir,
-        )
+    def __init__(self, returncode, stdout, stderr, out_dir, seconds=None):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+        self.out_dir, self.seconds = out_dir, seconds  # seconds: from its start to its exit
 
     @property
     def metrics(self) -> list[dict]:
@@ -124,17 +215,23 @@ class Result:
 
 class Launch:
     """A command in a session of its own, its output in files. On leaving the `with`, everything it
-    started is killed; wait() fails the test if the command hangs, or leaves a process behind."""
+    started is killed; wait() fails the test if the command hangs, or leaves a process behind. It
+    holds a CPU slot for each process it starts (slots: that number, where the command does not
+    show it), from its start until it is killed."""
 
-    def __init__(self, cmd, log_dir: Path, name="run", env=None, cwd=None):
+    def __init__(self, cmd, log_dir: Path, name="run", env=None, cwd=None, slots=None):
         self.cmd, self.mark = [str(c) for c in cmd], uuid.uuid4().hex
         self.out, self.err = log_dir / f"{name}.out", log_dir / f"{name}.err"
+        env = env or clean_env()
+        marks = f"{env.get('DDP_TEST_LAUNCH', '')} {self.mark}".strip()
+        self.slots = CpuSlots(processes(self.cmd) if slots is None else slots)
+        self.started, self.seconds = time.monotonic(), None
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
                 self.cmd,
                 stdout=out,
                 stderr=err,
-                env={**(env or clean_env()), "DDP_TEST_LAUNCH": self.mark},
+                env={**env, "DDP_TEST_LAUNCH": marks},
                 cwd=cwd or ROOT,
                 start_new_session=True,
             )
@@ -146,13 +243,12 @@ class Launch:
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(
-                f"timed out after {timeout}s: {' '.join(self.cmd)}\n{self.stdout}\n{self.stderr}"
-            )
-        deadline = (
-            time.monotonic() + 10
-        )  # a DataLoader worker may take a moment to follow its trainer
+            code = None
+        if code is None:
+            self.fail_with_stacks(f"timed out after {timeout}s")
+        self.seconds = time.monotonic() - self.started
+        # a DataLoader worker may take a moment to follow its trainer
+        deadline = time.monotonic() + 10
         while marked(self.mark) and time.monotonic() < deadline:
             time.sleep(0.1)
         left = marked(self.mark)
@@ -171,17 +267,30 @@ class Launch:
                     f"exited ({self.proc.returncode}) before {what}\n{self.stdout}\n{self.stderr}"
                 )
             if time.monotonic() > deadline:
-                pytest.fail(f"no {what} within {timeout}s\n{self.stdout}\n{self.stderr}")
+                self.fail_with_stacks(f"no {what} within {timeout}s")
             time.sleep(0.01)
+
+    def fail_with_stacks(self, why: str):
+        """Fail the test with the stacks of every process of the launch, so that a hang says where
+        it waits: SIGABRT makes each Python process print all its threads (PYTHONFAULTHANDLER)."""
+        for pid in marked(self.mark):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        deadline = time.monotonic() + 5
+        while marked(self.mark) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.kill()
+        pytest.fail(f"{why}: {' '.join(self.cmd)}\n{self.stdout[-3000:]}\n{self.stderr[-12000:]}")
 
     def kill(self):
         for pid in marked(self.mark):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait()
+        self.slots.release()
 
     def result(self, out_dir: Path) -> Result:
-        return Result(self.proc.returncode, self.stdout, self.stderr, out_dir)
+        return Result(self.proc.returncode, self.stdout, self.stderr, out_dir, self.seconds)
 
     def __enter__(self):
         return self
@@ -202,7 +311,7 @@ def run(cmd, tmp_path: Path, out="out", expect=0, env=None, cwd=None, timeout=TI
 
 
 def python_cmd(*args, script=SCRIPT):
-    return [PY, script, *args]
+    return [PY, script, "--timeout", PEER_TIMEOUT, *args]
 
 
 def torchrun_cmd(nproc, *args, script=SCRIPT, launcher=()):
@@ -215,6 +324,8 @@ def torchrun_cmd(nproc, *args, script=SCRIPT, launcher=()):
         *endpoint,
         *launcher,
         script,
+        "--timeout",
+        PEER_TIMEOUT,
         *args,
     ]
 
@@ -249,6 +360,8 @@ def reference(tmp_path_factory):
     session by whichever pytest-xdist worker asks first."""
 
     def get(cmd, **env):
+        # A test that holds slots for its launches would wait here for a worker that waits for them.
+        assert not CpuSlots.reserved, "take a reference before reserve_slots(), not inside it"
         key = hashlib.sha256(repr((cmd, sorted(env.items()))).encode()).hexdigest()[:12]
         with shared(tmp_path_factory, key) as d:
             if not (d / "done").exists():
@@ -264,9 +377,10 @@ def reference(tmp_path_factory):
 
 # user.py: BASE (digits, tinylm; else the default task), with the changes VARIANT names (comma-separated),
 # and STOP_SIGNAL sent by rank STOP_RANK to itself (STOP_TARGET=parent: to torchrun) in its STOP_AT-th
-# training micro-batch, once per job (not in a restarted worker).
+# training micro-batch, once per job (not in a restarted worker). The first run of an out-dir
+# (RECORD.first does not exist yet) may also die in report() at step FAIL_STEP.
 USER_PY = '''
-import collections, math, os, signal, sys, time
+import collections, contextlib, math, os, signal, sys, time
 import torch, torch.nn as nn, torch.nn.functional as F
 import ddp_train
 
@@ -291,8 +405,18 @@ def compute_loss(model, batch):
             os.kill(target, getattr(signal, env["STOP_SIGNAL"]))
         if "busy" in variant and calls[0] == int(env.get("STOP_AT", 0)) and env.get("RANK") == "0":
             time.sleep(5)  # rank 0 computes on while its peer dies
+        if "maps" in variant and calls[0] == 1:  # the files that this rank maps, as it trains
+            with open("/proc/self/maps") as maps, open(f"{env['RECORD']}.{env.get('RANK', 0)}", "w") as f:
+                f.write(maps.read())
+        if "waitjoin" in variant and env["WORLD_SIZE"] == "1":
+            while not signalled:  # alone in its round: on until a node joins and torchrun stops it
+                time.sleep(0.05)
     elif "indices" in variant:
         batch.pop()
+    if isinstance(batch, Encoded):
+        batch = (batch["inputs"], batch["targets"])
+    if "evalafterstop" in variant and not model.training and stop_agreed:
+        open(f"{env['RECORD']}.evaluated-after-the-stop", "a").close()
     loss, count, *metrics = loss_of(model, batch)
     nan_now = calls[0] >= int(env.get("NAN_AT", 10**9)) and env.get("RANK", "0") == "1"
     if "nan" in variant and nan_now:
@@ -321,6 +445,12 @@ def build_scheduler(args, optimizer, total_steps):
 def report(record, args, model):
     with open(f"{env['RECORD']}.{env.get('RANK', 0)}", "a") as f:
         f.write(repr(record) + "\\n")
+    first_run = not os.path.exists(f"{env['RECORD']}.first")
+    if record["step"] == int(env.get("FAIL_STEP", -1)) and first_run:
+        open(f"{env['RECORD']}.first", "w").close()
+        if "killreport" in variant:  # killed between the step's checkpoint and its other records
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("report() failed")  # (failreport)
     if "weights" in variant:  # the model of each record, and the checkpoint's step then
         torch.save(model.state_dict(), f"{env['RECORD']}.{record['kind']}.{record['step']}.pt")
         path = f"{args.out_dir}/checkpoint.pt"
@@ -330,6 +460,32 @@ def report(record, args, model):
 
 
 Batch = collections.namedtuple("Batch", "inputs targets")
+
+
+class Encoded(collections.UserDict):
+    """A batch as a tokenizer's BatchEncoding holds it: a dict with a .to() of its own."""
+
+    def to(self, device, non_blocking=False):
+        return Encoded({k: v.to(device, non_blocking=non_blocking) for k, v in self.items()})
+
+
+def train_step_without_syncs(run, ctx, args, micro_batches, want_norm):
+    """nosync: any wait for the GPU in a step that neither logs, evaluates nor saves is an error.
+    Not checked: a token run's first step, and the steps before CHECK_FROM (DDP measures its own
+    first 10 iterations with CUDA events, which waits for them)."""
+    step = run.progress.step + 1
+    checked = step >= int(env.get("CHECK_FROM", 1)) and run.progress.expected_count is not None
+    torch.cuda.set_sync_debug_mode("error" if checked else "default")
+    result = train_step_of_the_script(run, ctx, args, micro_batches, want_norm)
+    periodic = [args.log_every, args.save_every, args.eval_every, run.plan.steps_per_epoch]
+    if any(every and step % every == 0 for every in periodic) or step == run.plan.total_steps:
+        torch.cuda.set_sync_debug_mode("default")
+    return result
+
+
+train_step_of_the_script = ddp_train.train_step
+if "nosync" in variant:
+    ddp_train.train_step = train_step_without_syncs
 
 
 class Masked(torch.utils.data.Dataset):
@@ -362,6 +518,31 @@ class Indexed(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return (*self.data[i], i)
+
+
+stop_agreed, signalled = False, False
+
+
+def note(agreement, signum, frame):  # (waitjoin: notes a stop signal)
+    global signalled
+    signalled = True
+    note_of_the_script(agreement, signum, frame)
+
+
+note_of_the_script = ddp_train.StopAgreement.note
+if "waitjoin" in variant:
+    ddp_train.StopAgreement.note = note
+
+
+def count_votes(agreement):  # (evalafterstop: notes the step at which the ranks agree to stop)
+    global stop_agreed
+    count_votes_of_the_script(agreement)
+    stop_agreed = stop_agreed or agreement.agreed
+
+
+count_votes_of_the_script = ddp_train.StopAgreement.count_votes
+if "evalafterstop" in variant:
+    ddp_train.StopAgreement.count_votes = count_votes
 
 
 class Sometimes(nn.Module):
@@ -401,6 +582,10 @@ if "iterable" in variant:  # an IterableDataset: no __len__
     ddp_train.build_datasets = lambda args: (Stream(), None)
 if "namedtuple" in variant:  # batches as namedtuples
     ddp_train.collate_fn = lambda items: Batch(*collate_default(items))
+if "encoded" in variant:  # batches as a tokenizer gives them
+    ddp_train.collate_fn = lambda items: Encoded(zip(("inputs", "targets"), collate_default(items)))
+if "tokens" in variant:  # the default task's count, an int, as tokens: a token run of ints
+    ddp_train.COUNT_UNIT = "tokens"
 if "frozen" in variant:  # the first BatchNorm kept in eval mode (fine-tuning): no statistics move
     def frozen_model(args):
         model = build_model(args)
@@ -409,8 +594,32 @@ if "frozen" in variant:  # the first BatchNorm kept in eval mode (fine-tuning): 
     ddp_train.build_model = frozen_model
 ddp_train.compute_loss = compute_loss
 
+
+def threads():
+    """This process's threads, by id: their names."""
+    names = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            names[tid] = open(f"/proc/self/task/{tid}/comm").read().strip()
+    return names
+
+
+def init_distributed(timeout_s):  # (threads: notes the threads there were before the group)
+    threads_before.update(threads())
+    return init_distributed_of_the_script(timeout_s)
+
+
+threads_before, init_distributed_of_the_script = {}, ddp_train.init_distributed
+if "threads" in variant:
+    ddp_train.init_distributed = init_distributed
+
 if __name__ == "__main__":
-    sys.exit(ddp_train.main())
+    exit_code = ddp_train.main()
+    if threads_before:  # (threads, in a process of the group) its threads that outlive main()
+        left = sorted(name for tid, name in threads().items() if tid not in threads_before)
+        with open(f"{env['RECORD']}.{env.get('RANK', 0)}", "w") as f:
+            f.write(" ".join(left))
+    sys.exit(exit_code)
 '''
 
 
@@ -748,9 +957,6 @@ GUARANTEES = {
     8: "each rank reads its own share, in a new order each epoch",
 }
 TOLERANCE = 1e-5  # relative: float32 sums in another order
-# A process of a finished run, rarely, aborts at exit in gloo's teardown (about 1 in 1,000 runs of
-# two processes here): not the user's copy. Such a launch runs again, and check 1 says so.
-ABORTED_AT_EXIT = "terminate called without an active exception"
 CHECK_SETS = (  # the check's own flags: the user's ARGS do not move them (their --batch-size is B)
     "--batch-size", "--grad-accum", "--epochs", "--max-steps", "--out-dir", "--spawn",
     "--log-every", "--eval-only",
@@ -841,7 +1047,7 @@ class CopyCheck:
         self.wrapper = work / "wrapper" / self.script.name  # the script's name, in its lines
         self.wrapper.parent.mkdir(parents=True, exist_ok=True)
         self.wrapper.write_text(CHECK_WRAPPER)
-        self.results, self.seconds, self.failed, self.retried = {}, {}, {}, []
+        self.results, self.seconds, self.failed = {}, {}, {}
 
     def records(self, name) -> Path:
         return self.work / "records" / name
@@ -856,17 +1062,6 @@ class CopyCheck:
         return python_cmd(*spawn, *flags, script=self.wrapper)
 
     def launch(self, name) -> Result:
-        """The launch, once; again, from scratch, where a process of a launch that trains in its
-        own out-dir aborted at exit (ABORTED_AT_EXIT): the script's rare teardown abort."""
-        result = self.launch_once(name)
-        if ABORTED_AT_EXIT in result.stderr and LAUNCHES[name].out_dir == name:
-            self.retried.append(name)
-            shutil.rmtree(self.records(name))
-            shutil.rmtree(self.work / name, ignore_errors=True)
-            result = self.launch_once(name)
-        return result
-
-    def launch_once(self, name) -> Result:
         planned, records = LAUNCHES[name], self.records(name)
         records.mkdir(parents=True)
         env = dict(CHECK_SCRIPT=self.script, CHECK_RECORDS=records, **planned.env)
@@ -882,8 +1077,9 @@ class CopyCheck:
         return running.result(self.work / planned.out_dir)
 
     def run_launches(self, names: set):
-        """The launches named, two at a time, each after those it reads. One that times out, leaves
-        a process behind or cannot start (a launch it reads failed) is in self.failed."""
+        """The launches named, each after those it reads: two at a time, or one at a time inside
+        the test suite, which runs two tests at a time. One that times out, leaves a process behind
+        or cannot start (a launch it reads failed) is in self.failed."""
         order = [name for name in LAUNCHES if name in names]
         done = {name: threading.Event() for name in order}
 
@@ -901,9 +1097,9 @@ class CopyCheck:
             finally:
                 done[name].set()
 
-        threads = []
+        threads, at_a_time = [], 1 if INSIDE_A_SUITE else 2
         for name in order:  # (those it reads are in `order` before it: started already)
-            while sum(t.is_alive() for t in threads) >= 2:
+            while sum(t.is_alive() for t in threads) >= at_a_time:
                 time.sleep(0.05)
             threads.append(threading.Thread(target=one, args=(name,)))
             threads[-1].start()
@@ -996,8 +1192,6 @@ def check_launch_modes(c: CopyCheck) -> Verdict:
                 written.append(path)
     figure = f"exit 0 each ({seconds}); rank 1 wrote {len(set(written)) or 'nothing'}"
     figure += " files" if written else ""
-    if c.retried:
-        figure += f" (run again: {', '.join(c.retried)}, whose process aborted at exit)"
     if written:
         return Verdict(
             1, "FAIL", f"{figure}: {written[0]}",

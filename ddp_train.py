@@ -7,7 +7,7 @@ One file, torch only (2.4 to 2.15). Launch it unchanged:
     torchrun --nproc_per_node=4 ddp_train.py             # one node, 4 processes
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 \\
         --rdzv-id=job1 ddp_train.py                      # the same on each of 2 nodes
-    srun --ntasks-per-node=8 --gpus-per-task=1 python ddp_train.py     # SLURM: a task per GPU
+    srun --ntasks-per-node=8 --gpus-per-node=8 python ddp_train.py     # SLURM: a task per GPU
     python -m torch.distributed.launch --nproc_per_node=2 ddp_train.py  # the legacy launcher
 
 Read it top to bottom:
@@ -32,13 +32,21 @@ import os
 import random
 import re
 import signal
+import socket
+import subprocess
 import sys
 import time
 import traceback
+import zipfile
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+
+# Trap: the functions of this module take the process group that exists when it is first imported
+# as their default group. DDP imports it after the group is made, and that reference keeps gloo's
+# threads alive past destroy_process_group, which can abort the exit ("terminate called").
+import torch.distributed.nn.functional  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing import errors
@@ -62,7 +70,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 COUNT_UNIT = "samples"
 
 # Your task's own flags, beside the script's: --name, its default, what it does. The default gives
-# the type (0.0 for a float, not 0; False: a switch that --name turns on). Read it as args.name.
+# the type (0.0 for a float, not 0). True or False makes a switch: --name turns it on, --no-name
+# off. Read it as args.name.
 TASK_FLAGS = [
     ("num-samples", 32768, "the default task's training samples"),
     ("eval-samples", 4096, "the default task's evaluation samples (0: none)"),
@@ -85,6 +94,8 @@ class InMemory(TensorDataset):
 def build_datasets(args):
     """(train_set, eval_set): map-style Datasets (with a __len__), the same on every rank; eval_set
     may be None or empty (no evaluation)."""
+    check(args.num_samples >= 0, f"--num-samples is {args.num_samples}: it is at least 0")
+    check(args.eval_samples >= 0, f"--eval-samples is {args.eval_samples}: it is at least 0")
     generator = torch.Generator().manual_seed(args.seed)
     teacher = torch.randn(FEATURES, CLASSES, generator=generator)
 
@@ -186,10 +197,10 @@ def init_distributed(timeout_s):
     if world_size == 1:
         return DistContext(rank, world_size, device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = restart_store(timeout)  # None: torchrun's env:// rendezvous
     # DDP: join the process group: NCCL on GPUs, gloo on CPUs (a missing peer: an error in time)
     backend = "nccl" if device.type == "cuda" else "gloo"
     try:
+        store = round_store(timeout)  # None: torchrun's env:// rendezvous
         dist.init_process_group(
             backend, timeout=timeout, store=store, rank=rank, world_size=world_size
         )
@@ -231,25 +242,33 @@ def pick_device(local_rank):
     return device
 
 
-def restart_store(timeout):
-    """The store to join through, where torchrun (2.5+) shares its own across restarts; else None.
+def round_store(timeout):
+    """A store of this round of workers' own, where torchrun (2.5+) shares its store across the
+    rounds of a job; else None.
 
-    Trap: in that store, restarted workers would find the dead ones' keys (pytorch/pytorch#135712):
-    each restart gets a prefix of its own. torchrun counts restarts per node, so the prefix holds
-    on one node only; across nodes, a restart would leave the nodes under different prefixes."""
+    Trap: torchrun's store outlives a round of workers, at a restart or when a node joins or
+    leaves. A new round would find the old round's keys there and wait for workers that are gone
+    (pytorch/pytorch#135712). So rank 0 serves a new store for each round and leaves its port in
+    torchrun's store. The other ranks read the port there until it answers: the port of an old
+    round's store refuses a connection, since its rank 0 has exited."""
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    several_nodes = env["WORLD_SIZE"] != env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
-    if several_nodes and int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
-        fail(
-            "torchrun restarts workers on several nodes through one shared store, where the "
-            "nodes' restart counts differ and their workers would wait for each other until "
-            "--timeout: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node (as "
-            "run_multi_node.sh does)"
-        )
-    agent_store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), timeout=timeout)
-    return dist.PrefixStore(f"restart{env['TORCHELASTIC_RESTART_COUNT']}", agent_store)
+    host = env["MASTER_ADDR"]  # the node of rank 0, which serves torchrun's store too
+    shared = dist.TCPStore(host, int(env["MASTER_PORT"]), timeout=timeout)
+    if env["RANK"] == "0":
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        shared.set("ddp_train_round_store", str(store.port))
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        port = int(shared.get("ddp_train_round_store"))
+        try:
+            socket.create_connection((host, port), timeout=10).close()
+            return dist.TCPStore(host, port, timeout=timeout)
+        except ConnectionRefusedError:  # an old round's port: its rank 0 has exited
+            time.sleep(0.1)
+    raise TimeoutError(f"rank 0 of this round served no store within {timeout}")
 
 
 def cleanup_distributed(ctx):
@@ -273,7 +292,7 @@ def cleanup_distributed(ctx):
 def main(argv=None):
     args = parse_args(argv)
     if args.spawn and "RANK" not in os.environ:
-        spawn(args.spawn, argv)  # starts torchrun in this process's place: never returns
+        return spawn(args.spawn, argv)  # the processes' exit code, once they have all exited
     ctx = init_distributed(args.timeout)
     try:
         return evaluate_checkpoint(args, ctx) if args.eval_only else train(args, ctx)
@@ -325,6 +344,9 @@ class Progress:
     # weighed against it. Samples: the global batch. Tokens: the last step's (None: the first
     # micro-batches' tell); the gradients are rescaled to the step's real count after backward.
     expected_count: object = None
+    # This step's records. The checkpoint holds them before they are written, so that a run that
+    # resumes from it writes those that a stop or a crash left out.
+    records: list = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_dict(cls, saved):
@@ -359,8 +381,10 @@ def train(args, ctx):
     """All ranks run every line together; rank 0 alone prints and writes. Returns the exit code."""
     run = setup_training(args, ctx)
     plan, progress = run.plan, run.progress
-    if progress.step >= plan.total_steps:
-        log(
+    # all ranks: first the records of the checkpoint's step that a stop or a crash left unwritten
+    write_records(progress.records, args, ctx, run)
+    if progress.step >= plan.total_steps and os.path.exists(f"{args.out_dir}/model.pt"):
+        log(  # (a finished run without model.pt goes on to finish(), which writes it)
             f"{args.out_dir} holds a finished run ({progress.step} steps): nothing to train. Raise "
             "--epochs or --max-steps to train on, or pass another --out-dir"
         )
@@ -390,35 +414,44 @@ def train(args, ctx):
                 progress.epoch_totals.add(reduced)
                 progress.window_totals.add(reduced)
                 speed.items += reduced.count
-            records = []  # this step's, written below by rank 0
+            # This step's records. An eval or epoch record gets its evaluation when it is written.
+            progress.records = []
+            where = {"step": step, "epoch": epoch + 1}
             if log_now:
                 figures = progress.window_totals.means("train_") | {"lr": lr}
                 figures["grad_norm"] = grad_norm.item()
-                records.append(("progress", figures | speed.figures(step)))
+                figures |= speed.figures(step)
+                progress.records.append({"kind": "progress"} | where | figures)
                 progress.window_totals = Totals()
-            if eval_now and len(run.eval_loader.dataset):  # all ranks evaluate their share
-                records.append(("eval", evaluate(run.model, run.eval_loader, ctx, run.autocast)))
-            if step == epoch_end:  # the end of an epoch, or of the run; then its evaluation
-                epoch_record = epoch_figures(run, ctx, epoch, lr, epoch_started)
-                if len(run.eval_loader.dataset):
-                    epoch_record |= evaluate(run.model, run.eval_loader, ctx, run.autocast)
-                records.append(("epoch", epoch_record))
+            if eval_now and len(run.eval_loader.dataset):
+                progress.records.append({"kind": "eval"} | where)
+            if step == epoch_end:  # the end of an epoch, or of the run
+                figures = epoch_figures(run, ctx, epoch, lr, epoch_started)
+                progress.records.append({"kind": "epoch"} | where | figures)
                 progress.epoch_totals = Totals()
-            # all ranks: random states gathered; rank 0 writes; all wait for it. Last, after the
-            # evaluations: Trap: a rank that leaves right after a collective of Python tensors (an
-            # all_gather_object) can abort at exit ("terminate called"), as gloo frees them late
+            # all ranks: the save comes first, so that the grace period after a stop goes to it
             if save_now:
                 save_checkpoint(args, ctx, run)
-            for kind, figures in records:  # rank 0, after the save: report() may use the files
-                record = {"kind": kind, "step": step, "epoch": epoch + 1} | figures
-                write_record(record, args, ctx, run.model, plan.total_steps)
-    stop.restore()
-    return finish(args, ctx, run, stopped=stop.agreed)
+            if not stop.agreed:  # (a stop leaves the records to the rerun, which writes them first)
+                write_records(progress.records, args, ctx, run)
+    exit_code = finish(args, ctx, run, stopped=stop.agreed)
+    stop.restore()  # only now: a signal that comes before model.pt is written only gets noted
+    return exit_code
+
+
+def write_records(records, args, ctx, run):
+    """All ranks: the evaluations that eval and epoch records need; then rank 0 writes the records
+    (after the step's checkpoint, so that report() may use the files)."""
+    for record in records:
+        if record["kind"] != "progress" and len(run.eval_loader.dataset):
+            record |= evaluate(run.model, run.eval_loader, ctx, run.autocast)
+        write_record(record, args, ctx, run.model, run.plan.total_steps)
 
 
 def finish(args, ctx, run, stopped):
     """The exit code: 75 where a stop signal ended the run early (its checkpoint is saved); else
-    0, once rank 0 has saved the weights."""
+    0, once rank 0 has saved the weights. A rerun of a finished run without model.pt writes it
+    from the checkpoint."""
     if stopped and run.progress.step < run.plan.total_steps:
         log(f"stopped by a signal at step {run.progress.step}; saved: rerun to resume (exit 75)")
         return 75
@@ -449,6 +482,9 @@ def setup_training(args, ctx):
     seed_everything(args.seed + 1 + ctx.rank)  # DDP: each rank a random stream of its own (dropout)
     if checkpoint:
         progress = restore_checkpoint(args, parts, path, checkpoint, ctx)
+    # The parts now hold what they need. On GPUs that frees the file's pages before the DataLoader
+    # workers start, while on the CPU a restored optimizer keeps the loaded tensors as its state.
+    del checkpoint
     # DDP: each rank reads its own share of each epoch's shuffle (drop_last: equal shares)
     sampler = DistributedSampler(
         train_set, ctx.world_size, ctx.rank, seed=args.seed, drop_last=True
@@ -473,7 +509,12 @@ def setup_training(args, ctx):
     rank_sums = RankSums(ctx.device, progress.step)
     if ctx.rank == 0:  # (after every check: a mistake writes nothing)
         os.makedirs(args.out_dir, exist_ok=True)
-        drop_records_after(progress.step, args.out_dir)  # (a resumed run's: no record twice)
+        written = drop_records_after(progress.step, args.out_dir)  # (no record twice)
+        progress.records = [r for r in progress.records if r["kind"] not in written]
+    if ctx.world_size > 1:  # all ranks: rank 0's list, as every rank evaluates for them
+        unwritten = [progress.records]
+        dist.broadcast_object_list(unwritten, src=0, group=ctx.cpu_group)
+        progress.records = unwritten[0]
     return Run(
         plan, progress, model, ddp_model, train_model, parts, optimizers, schedulers, scaler,
         autocast, sampler, batches, loader, eval_loader, rank_sums,
@@ -535,8 +576,7 @@ def train_step(run, ctx, args, micro_batches, want_norm):
                 loss, count, metrics = unpack_loss(compute_loss(run.train_model, batch))
             run.rank_sums.add(loss, count, metrics)
             if progress.expected_count is None:  # a token run's first step: guess from this one
-                first_count = sum_over_ranks(count, ctx) * run.plan.grad_accum
-                progress.expected_count = first_count.clamp(min=1)
+                progress.expected_count = sum_over_ranks(count, ctx) * run.plan.grad_accum
             # DDP: DDP averages the ranks' gradients: a mean weighs its share of the step's count
             # (samples: count x world / global batch, 1 / --grad-accum for full micro-batches)
             weight = count * ctx.world_size / progress.expected_count
@@ -544,7 +584,7 @@ def train_step(run, ctx, args, micro_batches, want_norm):
         rank_items += count
     if COUNT_UNIT != "samples":
         # DDP: the step's count over all ranks, then every gradient as if weighed by it
-        real_count = sum_over_ranks(rank_items, ctx).clamp(min=1)  # (no token at all: no gradient)
+        real_count = sum_over_ranks(rank_items, ctx)
         grads = [p.grad for p in run.model.parameters() if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, (progress.expected_count / real_count).to(grads[0].dtype))
@@ -565,8 +605,9 @@ def train_step(run, ctx, args, micro_batches, want_norm):
 
 
 class RankSums:
-    """This rank's training sums since the last all_reduce_losses(): of the loss and each metric,
-    each mean weighed by its count; and the count. Kept on the device: no step waits for the GPU."""
+    """This rank's sums of the loss and each metric, each mean weighed by its count, and the count:
+    in training since the last all_reduce_losses(), in evaluation since its start. They stay on
+    the device, so that no step waits for the GPU."""
 
     def __init__(self, device, since_step):
         self.device = device
@@ -583,6 +624,10 @@ class RankSums:
             self.sums[name] += (mean.detach() if torch.is_tensor(mean) else mean) * count
         self.count += count
 
+    def packed(self):
+        """The sums and the count, in one float64 tensor on the device."""
+        return torch.stack([*self.sums.values(), on_device(self.count, self.device)])
+
 
 def all_reduce_losses(run, ctx):
     """All ranks: every rank's training sums since the last call, added: the loss all_reduce of the
@@ -590,8 +635,7 @@ def all_reduce_losses(run, ctx):
     A non-finite loss or weight stops every rank here, before any record or checkpoint has it."""
     rank_sums, step = run.rank_sums, run.progress.step
     names = list(rank_sums.sums)
-    count = torch.as_tensor(rank_sums.count, dtype=torch.float64, device=ctx.device)
-    packed = torch.stack([*rank_sums.sums.values(), count])
+    packed = rank_sums.packed()
     if ctx.world_size > 1:
         dist.all_reduce(packed)  # DDP: every rank's sums, added
     *sums, count = packed.tolist()
@@ -612,12 +656,25 @@ def all_reduce_losses(run, ctx):
     return Totals(dict(zip(names, sums)), count)
 
 
-def sum_over_ranks(value, ctx):
-    """A count over all ranks, as a float64 tensor on the device."""
-    total = torch.as_tensor(value, dtype=torch.float64, device=ctx.device)
+def sum_over_ranks(count, ctx):
+    """A count over all ranks, as a float64 tensor on the device. It is at least 1: a step without
+    a single token trains nothing."""
+    total = on_device(count, ctx.device)
     if ctx.world_size > 1:
         dist.all_reduce(total)
-    return total
+    return total.clamp(min=1)
+
+
+def on_device(number, device):
+    """A count or a sum as a float64 tensor on the device. Trap: torch.as_tensor(an int,
+    device="cuda") copies from pageable memory and makes the step wait for the GPU. A copy from
+    pinned memory is queued on the stream, and the step goes on."""
+    if torch.is_tensor(number) and number.device == device:
+        return number.to(torch.float64)
+    host = torch.tensor(float(number), dtype=torch.float64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def epoch_figures(run, ctx, epoch, lr, epoch_started):
@@ -640,19 +697,18 @@ def evaluate(model, eval_loader, ctx, autocast):
             dist.broadcast(buffer, 0)  # DDP: rank 0's BatchNorm statistics: the model rank 0 saves
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
-    sums, count = {}, 0.0
+    rank_sums = RankSums(ctx.device, since_step=0)
     for batch in eval_loader:
         with autocast:
             loss, n, metrics = unpack_loss(compute_loss(model, to_device(batch, ctx.device)))
-        count += float(n)
-        for name, mean in {"loss": loss, **metrics}.items():
-            sums[name] = sums.get(name, 0.0) + (float(mean * n) if n else 0.0)  # (no items: 0/0)
+        rank_sums.add(loss, n, metrics)
     for module, training in modes:  # Trap: not model.train(): a part frozen in eval mode stays so
         module.train(training)
-    per_rank = [Totals(sums, count)]
-    if ctx.world_size > 1:
-        per_rank = [None] * ctx.world_size
-        dist.all_gather_object(per_rank, Totals(sums, count), group=ctx.cpu_group)  # DDP: all sums
+    *sums, count = rank_sums.packed().tolist()  # the only read of the device
+    per_rank = [Totals(dict(zip(rank_sums.sums, sums)), count)]
+    if ctx.world_size > 1:  # (a rank's share may be empty: it has no names to add)
+        rank_totals, per_rank = per_rank[0], [None] * ctx.world_size
+        dist.all_gather_object(per_rank, rank_totals, group=ctx.cpu_group)  # DDP: all sums
     totals = Totals()
     for rank_totals in per_rank:
         totals.add(rank_totals)
@@ -734,10 +790,11 @@ def restore_checkpoint(args, parts, path, checkpoint, ctx):
 
 def drop_records_after(step, out_dir):
     """Rank 0, at a resume: metrics.jsonl without the records past the checkpoint's step (written
-    before a crash): the resumed run writes them again, once."""
+    before a crash): the resumed run writes them again, once. Returns the kinds of the records
+    that the file holds for that step."""
     path = f"{out_dir}/metrics.jsonl"
     if not os.path.exists(path):
-        return
+        return set()
     kept = []
     with open(path) as f:
         for line in f:
@@ -747,6 +804,7 @@ def drop_records_after(step, out_dir):
     with open(f"{path}.tmp", "w") as f:
         f.writelines(kept)
     os.replace(f"{path}.tmp", path)
+    return {json.loads(line)["kind"] for line in kept if json.loads(line)["step"] == step}
 
 
 class StopAgreement:
@@ -806,7 +864,7 @@ def write_record(record, args, ctx, model, total_steps, to_file=True):
         for name, value in record.items()
         if name not in ("kind", "step")
     ]
-    print(f"{record['kind']:>8}  step {record['step']}/{total_steps}", *shown, sep="  ", flush=True)
+    log(f"{record['kind']:>8}  step {record['step']}/{total_steps}", *shown, sep="  ")
     if to_file:
         with open(f"{args.out_dir}/metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -856,7 +914,7 @@ FLAGS = [
     ("find-unused-parameters", False, "let parameters sit out some steps (DDP's option; slower)"),
     ("sync-bn", False, "SyncBatchNorm: BatchNorm statistics over the global batch"),
     ("timeout", 1800.0, "seconds to wait for a peer before failing"),
-    ("spawn", 0, "start N local processes (torchrun --standalone, started for you)"),
+    ("spawn", 0, "start N local processes, as torchrun --standalone would"),
 ]
 AT_LEAST_ONE = ("epochs", "batch-size", "grad-accum")  # the script's other numbers: 0
 RESERVED_METRICS = {"loss", "samples", "tokens"}  # the script's own: train_loss, eval_samples...
@@ -877,8 +935,9 @@ def parse_args(argv=None):
         allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     for name, default, help_text in FLAGS + TASK_FLAGS:
-        if default is False:
-            parser.add_argument(f"--{name}", action="store_true", help=help_text)
+        if isinstance(default, bool):  # a switch: --name and --no-name
+            action = argparse.BooleanOptionalAction
+            parser.add_argument(f"--{name}", action=action, default=default, help=help_text)
         else:
             parser.add_argument(f"--{name}", type=type(default), default=default, help=help_text)
     # the legacy `python -m torch.distributed.launch` passes --local-rank=N (older torch: _rank)
@@ -894,13 +953,31 @@ def parse_args(argv=None):
 
 
 def spawn(processes, argv):
-    """--spawn N: torch's launcher (torchrun --standalone, a free port) starts N processes of this
-    script, in this process's place. It passes on SIGUSR1 too (torch 2.10+)."""
-    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGUSR1")
+    """--spawn N: N processes of this script on this machine, as torchrun --standalone starts them.
+    This process hosts their store on a free port and passes the stop signals on to them. It
+    returns 0, 75 where they stopped and saved, or the exit code of the first that failed."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     main_spec = sys.modules["__main__"].__spec__  # `python -m pkg.train`: that module again
     script = ["-m", main_spec.name] if main_spec else [sys.argv[0]]
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
-    os.execv(sys.executable, [sys.executable, *launcher, *script, *(argv or sys.argv[1:])])
+    command = [sys.executable, *script, *(argv or sys.argv[1:])]
+    env = os.environ | {"WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes)}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+    env |= {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+    env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it: the processes share the cores
+    workers = []
+
+    def pass_on(signum, frame):  # a terminal's Ctrl-C reaches them too, but a kill only this one
+        for worker in workers:
+            worker.send_signal(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, pass_on)
+    for rank in range(processes):
+        rank_env = env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
+        workers.append(subprocess.Popen(command, env=rank_env))
+    codes = [worker.wait() for worker in workers]
+    failed = [code if code > 0 else 128 - code for code in codes if code]  # (-9: killed, 137)
+    return failed[0] if failed else 0
 
 
 def torchrun_variables_from_slurm(env):
@@ -1002,7 +1079,7 @@ def make_autocast(args, device):
 
 def unpack_loss(output):
     """compute_loss's result as (loss, count, metrics), its contract checked. A mean of no items
-    (0/0) weighs nothing: it becomes 0."""
+    (0/0) weighs nothing, so the loss and each metric become 0 there."""
     loss, count, metrics = output, None, None
     if isinstance(output, tuple) and len(output) == 2:
         loss, count, metrics = *output, {}
@@ -1019,8 +1096,10 @@ def unpack_loss(output):
         fail(f"compute_loss's metric {taken[0]!r} is one of the script's own names: rename it")
     if torch.is_tensor(count):
         loss = torch.where(count > 0, loss, 0.0)
+        metrics = {name: torch.where(count > 0, mean, 0.0) for name, mean in metrics.items()}
     elif not count:
         loss = loss.nan_to_num()
+        metrics = {name: torch.as_tensor(mean).nan_to_num() for name, mean in metrics.items()}
     return loss, count, metrics
 
 
@@ -1030,7 +1109,10 @@ def to_device(batch, device):
     if torch.is_tensor(batch):
         return batch.to(device, non_blocking=True)
     if hasattr(batch, "to"):
-        return batch.to(device)
+        try:  # without waiting for the previous step, as the tensors above
+            return batch.to(device, non_blocking=True)
+        except TypeError:  # (a .to() that takes no non_blocking)
+            return batch.to(device)
     if isinstance(batch, Mapping):
         return {key: to_device(value, device) for key, value in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
@@ -1085,8 +1167,15 @@ def read_checkpoint(out_dir):
     for path in paths:
         if not os.path.exists(path):
             continue
-        try:  # Trap: map_location, else every rank loads onto the GPU that saved it
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        if path.endswith(".tmp") and not zipfile.is_zipfile(path):
+            # A save that was cut short has no zip directory at its end. It was never published as
+            # the checkpoint, so nothing is lost without it.
+            log(f"{path} was cut short while it was written, so the run starts without it")
+            continue
+        try:
+            # Trap: map_location, else every rank loads onto the GPU that saved it. mmap lets the
+            # ranks of a node share the file's pages instead of each holding a copy.
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:
             problems.append(f"{path} is unreadable ({one_line(exc)})")
             continue
@@ -1112,6 +1201,9 @@ def read_checkpoint(out_dir):
 def atomic_save(obj, path, previous=None):
     """Trap: a crash in the middle of a write must not cost the last good file. Write a temp file,
     flush it to the disk, then rename it (keeping the file it replaces as `previous`)."""
+    # Trap: a new file, not the old one cut to zero: a run that resumed from it maps its pages
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(f"{path}.tmp")
     with open(f"{path}.tmp", "wb") as f:
         torch.save(obj, f)
         f.flush()
@@ -1122,8 +1214,12 @@ def atomic_save(obj, path, previous=None):
 
 
 def log(*args, **kwargs):
-    if os.environ.get("RANK", "0") == "0":  # DDP: one log: rank 0's
+    if os.environ.get("RANK", "0") != "0":  # DDP: one log: rank 0's
+        return
+    try:
         print(*args, **kwargs, flush=True)
+    except BrokenPipeError:  # Trap: a closed standard output (| head) must not stop the run
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def check(ok, message):

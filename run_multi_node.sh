@@ -162,9 +162,9 @@ if [[ -n "${IFNAME:-}" ]]; then
   # NCCL may pick one that other nodes cannot reach (docker0, a VPN) and hang at init.
   envs+=(GLOO_SOCKET_IFNAME="$IFNAME" NCCL_SOCKET_IFNAME="$IFNAME")
 fi
-# After a failure with --max-restarts, torchrun's agents start a new round; by default they reuse
-# one TCPStore whose stale keys can misdirect the new workers (pytorch/pytorch#135712). A fresh
-# store per round, hosted by the new rank 0, keeps a surviving node and a restarted one in step.
+# A node that joins a running job (elastic, or a node whose torchrun started again) needs a store of
+# its round: in torch's shared store, its torchrun waits for the round's address, which only the first
+# round's rank 0 writes. A fresh store per round, hosted by the new rank 0, lets any node join.
 [[ "$MAX_NODES" -gt 1 && "$RDZV" == c10d ]] && envs+=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}")
 # torchrun forwards only the signals its --signals-to-handle names (PET_SIGNALS_TO_HANDLE; torch >= 2.9),
 # and SLURM's --signal=USR1 is not among its defaults: without it, USR1 kills torchrun before the

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import tokenize
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -30,14 +31,19 @@ from conftest import (
     ROOT,
     RUN_MULTI,
     SCRIPT,
+    PEER_TIMEOUT,
     Launch,
+    Result,
     assert_same_weights,
+    bindable,
     check_copy,
     clean_env,
     free_port,
     fresh_checkout,
+    processes,
     python_cmd,
     readme_blocks,
+    reserve_slots,
     run,
     torchrun_cmd,
 )
@@ -73,21 +79,18 @@ def args_of(*argv):
 
 
 def user_cmd(project, launch, *args):
-    """user.py of the project, under python or torchrun N ("torchrun 2")."""
+    """user.py of the project, under python, python --spawn N ("spawn 2") or torchrun N."""
     script = str(project / "user.py")
     if launch == "python":
         return python_cmd(*args, script=script)
+    if launch.startswith("spawn"):
+        return python_cmd(*args, "--spawn", launch.split()[1], script=script)
     return torchrun_cmd(int(launch.split()[1]), *args, script=script)
 
 
 def shuffle(n, epoch, seed=0):
     """The epoch's shuffle of n samples, as DistributedSampler draws it (and every world size shares)."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-
-
-def bindable(port):
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
 
 
 def last_line(text):
@@ -152,20 +155,21 @@ def test_srun_variables_are_translated_into_torchruns(tmp_path, reference):
     )
     slurm |= dict(SLURM_STEP_ID=3)
     args = [*SMALL[:-3], 16, "--log-every", 0, "--out-dir", tmp_path / "out"]
-    tasks = [
-        Launch(
-            python_cmd(*args),
-            tmp_path,
-            f"task{i}",
-            env=clean_env(SLURM_PROCID=i, SLURM_LOCALID=i, **slurm),
-        )
-        for i in range(2)
-    ]
-    with tasks[0], tasks[1]:
-        assert [t.wait() for t in tasks] == [0, 0], tasks[0].stderr + tasks[1].stderr
+    two = reference(torchrun_cmd(2, *SMALL[:-3], 16, "--log-every", 0))
+    with reserve_slots(2):
+        tasks = [
+            Launch(
+                python_cmd(*args),
+                tmp_path,
+                f"task{i}",
+                env=clean_env(SLURM_PROCID=i, SLURM_LOCALID=i, **slurm),
+            )
+            for i in range(2)
+        ]
+        with tasks[0], tasks[1]:
+            assert [t.wait() for t in tasks] == [0, 0], tasks[0].stderr + tasks[1].stderr
     r = tasks[0].result(tmp_path / "out")
     assert "world size 2," in r.stdout and not tasks[1].stdout, r
-    two = reference(torchrun_cmd(2, *SMALL[:-3], 16, "--log-every", 0))
     assert_same_weights(r.weights, two.weights, exact=True)
 
 
@@ -268,10 +272,12 @@ def test_a_step_without_a_single_token_changes_nothing(project, tmp_path):
     # "masked", 2 samples a step: steps 1 and 3 hold one token each (samples 19 and 69), step 2 none.
     # SGD: w3 = w0 - lr x the two tokens' gradients in turn, at the cosine's lr of steps 1 and 3 (x 1,
     # x 0.25); the empty step neither moves the weights nor poisons them. A line at every step: step
-    # 2's has no train_loss (a mean over no token), not a division by zero.
+    # 2's has no train_loss (a mean over no token), not a division by zero. The epoch's metric
+    # (train_twice) is exact too.
     args = ["--num-samples", 100, *ONE_STEP[2:], "--max-steps", 3, "--batch-size", 2]
     args += ["--log-every", 1]
-    r = run(user_cmd(project, "python", *args), tmp_path, env=clean_env(VARIANT="sgd,masked"))
+    env = clean_env(VARIANT="sgd,masked,trainmetric")
+    r = run(user_cmd(project, "python", *args), tmp_path, env=env)
     x, y = build_datasets(args_of("--num-samples", 100))[0].tensors
     assert [i for i in shuffle(100, 0)[:6] if i % 10 == 9] == [19, 69]
     torch.manual_seed(0)
@@ -286,6 +292,9 @@ def test_a_step_without_a_single_token_changes_nothing(project, tmp_path):
     assert epoch["train_tokens"] == 2 and epoch["train_loss"] == pytest.approx(
         sum(losses) / 2, rel=1e-6
     )
+    # a metric too: its mean over no token weighs nothing, as the loss's (no NaN in the file)
+    assert epoch["train_twice"] == pytest.approx(2 * epoch["train_loss"], rel=1e-12), epoch
+    assert "NaN" not in (r.out_dir / "metrics.jsonl").read_text()
     lines = r.records("progress")
     assert [("train_loss" in line) for line in lines] == [True, False, True], lines
     assert lines[0]["train_loss"] == pytest.approx(losses[0], rel=1e-6)
@@ -482,15 +491,15 @@ def stopped_and_resumed(cmd, tmp_path, stop, expect, **env):
     return first, again
 
 
-@tier
-def test_sigterm_to_torchrun_stops_every_rank_and_the_rerun_ends_bit_identical(
-    project, tmp_path, reference
+@pytest.mark.parametrize("launch", [pytest.param("torchrun 2", marks=tier), "spawn 2"])
+def test_sigterm_to_the_launcher_stops_every_rank_and_the_rerun_ends_bit_identical(
+    project, tmp_path, reference, launch
 ):
+    # SIGTERM to torchrun or to --spawn's process alone, as a scheduler stops a job: it passes the
+    # signal on. --spawn returns the workers' 75; torchrun returns 1.
     stop = dict(STOP_AT=40, STOP_SIGNAL="SIGTERM", STOP_TARGET="parent")
-    first, again = stopped_and_resumed(
-        user_cmd(project, "torchrun 2", *RESUME), tmp_path, stop, None
-    )
-    assert first.returncode != 0 and "exit 75" in first.stdout
+    first, again = stopped_and_resumed(user_cmd(project, launch, *RESUME), tmp_path, stop, None)
+    assert first.returncode == (75 if launch == "spawn 2" else 1) and "exit 75" in first.stdout
     whole = reference(user_cmd(project, "torchrun 2", *RESUME))
     assert_same_weights(again.weights, whole.weights, exact=True)
     # every record once, as the uninterrupted run wrote it, but the timings
@@ -525,22 +534,79 @@ def test_a_worker_killed_under_max_restarts_is_restarted_and_the_run_ends_bit_id
     assert steady(r.metrics) == steady(whole.metrics)
 
 
-@pytest.mark.parametrize("launch", ["python", "torchrun 2"])
+@pytest.mark.parametrize("launch", ["python", "torchrun 2", "spawn 2"])
 def test_ctrl_c_stops_every_rank_after_one_step_and_the_rerun_ends_bit_identical(
     project, tmp_path, reference, launch
 ):
-    # Ctrl-C as a terminal sends it: SIGINT to the whole process group (torchrun and its workers)
+    # Ctrl-C as a terminal sends it: SIGINT to the whole process group (the launcher and its workers)
     cmd = user_cmd(project, launch, *RESUME)
     with Launch([*cmd, "--out-dir", tmp_path / "out"], tmp_path, "first") as first:
         first.wait_for(lambda: (tmp_path / "out/checkpoint.pt").exists(), "a checkpoint")
         os.killpg(first.proc.pid, signal.SIGINT)
         code = first.wait()
     assert "stopped by a signal at step" in first.stdout and "exit 75" in first.stdout, first.stdout
-    assert code == (75 if launch == "python" else 1) and "KeyboardInterrupt" not in first.stderr
+    assert "KeyboardInterrupt" not in first.stderr, first.stderr
+    # the script's own exit code, but under torchrun, which returns 1 and its traceback
+    assert code == (1 if launch.startswith("torchrun") else 75), first.stderr
+    assert launch.startswith("torchrun") or "Traceback" not in first.stderr, first.stderr
     again = run(cmd, tmp_path)
     assert "resumed from" in again.stdout, again
     whole = reference(user_cmd(project, "torchrun 2" if "2" in launch else "python", *RESUME))
     assert_same_weights(again.weights, whole.weights, exact=True)
+
+
+def test_a_stop_saves_before_it_evaluates_and_the_rerun_writes_the_evaluation_first(
+    project, tmp_path, reference
+):
+    # Every step evaluates (--eval-every 1), so the stop's step does too. The stopped run saves and
+    # exits without evaluating after the ranks agreed to stop: the grace period after a SIGTERM goes
+    # to the save. The rerun evaluates that step first, and writes every record once, as the
+    # uninterrupted run wrote it.
+    args = [*RESUME, "--eval-every", 1, "--log-every", 1]
+    cmd = user_cmd(project, "torchrun 2", *args)
+    stop = dict(STOP_AT=40, STOP_SIGNAL="SIGTERM", STOP_RANK=1)
+    env = dict(VARIANT="evalafterstop", RECORD=tmp_path / "record")
+    whole = reference(cmd)
+    first = run(cmd, tmp_path, expect=None, env=clean_env(**stop, **env))
+    stopped_at = int(re.search(r"stopped by a signal at step (\d+)", first.stdout).group(1))
+    assert not (tmp_path / "record.evaluated-after-the-stop").exists(), first
+    assert [m["step"] for m in first.metrics][-1] == stopped_at - 1, first.metrics[-3:]
+    again = run(cmd, tmp_path, env=clean_env(**env))
+    assert f"resumed from {tmp_path}/out/checkpoint.pt at step {stopped_at}," in again.stdout
+    assert steady(again.metrics) == steady(whole.metrics)
+    assert_same_weights(again.weights, whole.weights, exact=True)
+
+
+def test_a_crash_between_a_checkpoint_and_its_records_loses_no_record(project, tmp_path, reference):
+    # Step 20 saves, then logs a progress record and an eval record. Rank 0 dies in report() after
+    # the progress record: the rerun resumes from step 20 and writes its eval record first.
+    args = [*RESUME, "--eval-every", 20]
+    cmd = user_cmd(project, "torchrun 2", *args)
+    env = clean_env(VARIANT="report,killreport", FAIL_STEP=20, RECORD=tmp_path / "report")
+    crashed = run(cmd, tmp_path, expect=None, env=env)
+    written = [(m["kind"], m["step"]) for m in crashed.metrics]
+    assert crashed.returncode != 0 and written == [("progress", 20)], crashed
+    r = run(cmd, tmp_path, env=env)
+    assert f"resumed from {tmp_path}/out/checkpoint.pt at step 20," in r.stdout, r
+    whole = reference(cmd)
+    assert steady(r.metrics) == steady(whole.metrics)
+    assert_same_weights(r.weights, whole.weights, exact=True)
+
+
+def test_a_closed_standard_output_does_not_stop_the_run(tmp_path, reference):
+    # `| head -n 1` closes the pipe after the first line: the run goes on and saves everything.
+    cmd = shlex.join(map(str, python_cmd(*SMALL, "--out-dir", tmp_path / "out")))
+    shell = f"set -o pipefail; {cmd} | head -n 1"
+    with Launch(["bash", "-c", shell], tmp_path, "piped") as piped:
+        assert piped.wait() == 0, piped.stderr
+    assert (
+        piped.stdout.startswith("ddp_train.py: world size 1,")
+        and len(piped.stdout.splitlines()) == 1
+    )
+    assert "Error" not in piped.stderr, piped.stderr
+    one = reference(python_cmd(*SMALL))
+    assert_same_weights(torch.load(tmp_path / "out/model.pt"), one.weights, exact=True)
+    assert steady(Result(0, "", "", tmp_path / "out").metrics) == steady(one.metrics)
 
 
 def test_a_resume_names_every_flag_unlike_its_checkpoints_run(tmp_path, reference):
@@ -632,54 +698,51 @@ def test_a_truncated_checkpoint_falls_back_to_the_one_before_or_stops_with_one_l
         == (out / "checkpoint.prev.pt").read_bytes()
         == b"not a checkpoint"
     )
+    # the first save cut short: a torn checkpoint.pt.tmp alone was never published. Every restart
+    # starts afresh, with one line, and trains the run.
+    shutil.rmtree(out)
+    out.mkdir()
+    torn = (tmp_path / "spare/checkpoint.pt").read_bytes()[:-100]  # (no zip directory at its end)
+    (out / "checkpoint.pt.tmp").write_bytes(torn)
+    r = run(cmd, tmp_path)
+    assert "checkpoint.pt.tmp was cut short while it was written" in r.stdout, r
+    assert "resumed" not in r.stdout and "Traceback" not in r.stderr, r
+    assert_same_weights(r.weights, reference(cmd).weights, exact=True)
+    # a whole file that does not load is another matter: one line, and the file as it was
+    shutil.rmtree(out)
+    out.mkdir()
+    with zipfile.ZipFile(out / "checkpoint.pt.tmp", "w") as whole:
+        whole.writestr("not-a-checkpoint/data.pkl", b"junk")
+    before = (out / "checkpoint.pt.tmp").read_bytes()
+    r = run(cmd, tmp_path, expect=2)
+    assert "checkpoint.pt.tmp is unreadable" in last_line(r.stderr), r
+    assert (out / "checkpoint.pt.tmp").read_bytes() == before
 
 
-def test_an_elastic_restart_on_one_node_resumes_a_two_node_run_with_its_global_batch(
+@pytest.mark.parametrize("launch", [pytest.param("torchrun 2", marks=tier), "spawn 2"])
+def test_no_thread_of_the_process_group_outlives_main(project, tmp_path, launch):
+    # A gloo thread that is alive when Python finalizes, and takes the GIL to free a tensor, aborts
+    # the exit ("terminate called without an active exception"). So none may outlive main(): every
+    # thread that the process group started (gloo's, the store's) is joined before it returns.
+    env = clean_env(VARIANT="threads", RECORD=tmp_path / "threads")
+    run(user_cmd(project, launch, *SMALL[:-3], 16, "--epochs", 1), tmp_path, env=env)
+    left = [(tmp_path / f"threads.{rank}").read_text() for rank in range(2)]
+    assert left == ["", ""], left
+
+
+def test_the_ranks_of_a_node_share_the_pages_of_the_checkpoint_they_resume(
     project, tmp_path, reference
 ):
-    # Two torchrun agents on this machine, an elastic job of 1 to 2 nodes of one process each. Once both
-    # trained to a checkpoint, node b dies: a's worker loses its peer, and a restarts it alone, which
-    # resumes the world-2 checkpoint with 2 micro-batches a step: the same global batch of 32.
-    out, port = tmp_path / "out", free_port()
-
-    def agent(name, host):
-        conf = f"is_host={host},last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
-        launcher = [
-            "--nnodes=1:2",
-            "--max-restarts=3",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=elastic",
-        ]
-        cmd = [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=1",
-            "--rdzv-backend=c10d",
-            *launcher,
-        ]
-        return Launch(
-            [*cmd, f"--rdzv-conf={conf}", project / "user.py", *RESUME, "--out-dir", out],
-            tmp_path,
-            name,
-            env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1),
-        )
-
-    with agent("a", 1) as a, agent("b", 0) as b:
-        a.wait_for(
-            lambda: "world size 2" in a.stdout and (out / "checkpoint.pt").exists(),
-            "a checkpoint of two",
-        )
-        b.kill()
-        assert a.wait(240) == 0, a.stderr
-    r = a.result(out)
-    assert (
-        "saved by 2 process(es)" in r.stdout
-        and "global batch 32 = 16/process x 1 x 2 accum" in r.stdout
-    ), r
-    assert r.records("epoch")[-1]["world_size"] == 1
-    # the uninterrupted run at world size 2, to float rounding
-    assert_same_weights(r.weights, reference(user_cmd(project, "torchrun 2", *RESUME)).weights)
+    # Each rank maps the checkpoint (torch.load's mmap) instead of reading it into memory of its
+    # own: the page cache holds it once for the node. On the CPU the restored optimizer keeps those
+    # tensors, so the mapping is still there at the first step.
+    cmd = user_cmd(project, "torchrun 2", *SMALL[:-3], 16, "--log-every", 0)
+    shutil.copytree(reference(cmd).out_dir, tmp_path / "out")
+    env = clean_env(VARIANT="maps", RECORD=tmp_path / "maps")
+    r = run([*cmd, "--epochs", 3], tmp_path, env=env)
+    assert "resumed from" in r.stdout, r
+    for rank in range(2):
+        assert f"{tmp_path}/out/checkpoint.pt" in (tmp_path / f"maps.{rank}").read_text()
 
 
 def test_a_finished_run_rerun_trains_nothing_and_says_so(tmp_path, reference):
@@ -689,6 +752,19 @@ def test_a_finished_run_rerun_trains_nothing_and_says_so(tmp_path, reference):
     r = run(python_cmd(*SMALL), tmp_path)
     assert "holds a finished run (62 steps): nothing to train" in r.stdout, r
     assert (tmp_path / "out/model.pt").stat().st_mtime_ns == before
+
+
+def test_a_finished_run_without_its_model_file_writes_it_at_the_rerun(project, tmp_path, reference):
+    # report() fails at the last record: the checkpoint says finished, and model.pt is missing.
+    # The rerun writes model.pt from the checkpoint, the weights of the whole run.
+    cmd = user_cmd(project, "python", *SMALL)
+    env = clean_env(VARIANT="report", FAIL_STEP=62, RECORD=tmp_path / "report")
+    failed = run(cmd, tmp_path, expect=1, env=env)
+    assert "report() failed" in failed.stderr and not (tmp_path / "out/model.pt").exists(), failed
+    r = run(cmd, tmp_path, env=env)
+    assert f"saved {tmp_path}/out/model.pt after 62 steps" in r.stdout, r
+    assert_same_weights(r.weights, reference(cmd).weights, exact=True)
+    assert steady(r.metrics) == steady(reference(cmd).metrics)
 
 
 @pytest.mark.parametrize("where", ["loss", "gradient"])
@@ -727,6 +803,12 @@ MISTAKES = {
         "do not fill one global batch of 64: lower --batch-size",
     ),
     "bad value": (["--workers", -1], {}, "--workers is -1: it is at least 0"),
+    "a negative size of the default task": (
+        ["--num-samples", -5],
+        {},
+        "--num-samples is -5: it is at least 0",
+    ),
+    "a switch given a value": (["--compile", "False"], {}, "unrecognized arguments: False"),
     "--sync-bn on CPUs": (["--sync-bn"], {}, "--sync-bn needs GPUs"),
     "not a number": (
         ["--lr", "fast"],
@@ -779,38 +861,50 @@ def test_a_classic_mistake_is_one_line_naming_the_fix_and_costs_nothing(
         torch.save({"model": [], "progress": {"step": 3}, "rng": []}, out / "checkpoint.pt")
     with socket.create_server(("127.0.0.1", 0)) as taken:
         if "RANK" in env:
-            env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": taken.getsockname()[1]}
-            if mistake == "unreachable master":  # nobody listens there
-                taken.close()
+            port = taken.getsockname()[1] if mistake == "port in use" else free_port()
+            env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         before = {p.name: p.read_bytes() for p in out.glob("*")}
-        t0 = time.monotonic()
         r = run([*cmd, *map(str, args)], tmp_path, expect=None, env=clean_env(**env))
-    assert r.returncode != 0 and time.monotonic() - t0 < 60, r
+    # it fails at once: it never waits out the --timeout for a peer
+    assert r.returncode != 0 and r.seconds < PEER_TIMEOUT, r
     assert says in last_line(r.stderr) and last_line(r.stderr).startswith("user.py: error: "), r
     assert "Traceback" not in r.stderr and r.stderr.count("user.py: error:") == 1, r
     assert {p.name: p.read_bytes() for p in out.glob("*")} == before
+
+
+def test_a_switch_of_a_task_that_is_on_by_default_turns_off_with_no_name(tmp_path):
+    # TASK_FLAGS ("augment", True, ...): --no-augment turns it off, --augment on
+    code = (
+        "import ddp_train\n"
+        "ddp_train.TASK_FLAGS.append(('augment', True, 'random flips'))\n"
+        "print(*(ddp_train.parse_args(argv).augment for argv in ([], ['--no-augment'], ['--augment'])))"
+    )
+    with Launch([PY, "-c", code], tmp_path, "switch") as switch:
+        assert switch.wait() == 0, switch.stderr
+    assert switch.stdout.split() == ["True", "False", "True"], switch.stdout
 
 
 def test_a_checkpoint_that_only_one_node_sees_is_one_line(tmp_path, reference):
     # Two processes started by hand as two nodes without shared storage: each in a directory of its own
     # with a relative --out-dir, rank 0's holding a checkpoint, rank 1's none. They would train different
     # steps (and hang at the end): both stop at once, and rank 0 says why.
-    env = dict(WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), TIMEOUT=60)
+    env = dict(WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
     shutil.copytree(reference(python_cmd(*SMALL)).out_dir, tmp_path / "node0/out")
     (tmp_path / "node1").mkdir()
     before = {p.name: p.read_bytes() for p in (tmp_path / "node0/out").iterdir()}
-    nodes = [
-        Launch(
-            python_cmd(*SMALL[:-3], 16, "--log-every", 0, "--out-dir", "out"),
-            tmp_path,
-            f"node{i}",
-            env=clean_env(RANK=i, LOCAL_RANK=i, **env),
-            cwd=tmp_path / f"node{i}",
-        )
-        for i in range(2)
-    ]
-    with nodes[0], nodes[1]:
-        assert [n.wait() for n in nodes] == [2, 2], nodes[0].stderr + nodes[1].stderr
+    with reserve_slots(2):
+        nodes = [
+            Launch(
+                python_cmd(*SMALL[:-3], 16, "--log-every", 0, "--out-dir", "out"),
+                tmp_path,
+                f"node{i}",
+                env=clean_env(RANK=i, LOCAL_RANK=i, **env),
+                cwd=tmp_path / f"node{i}",
+            )
+            for i in range(2)
+        ]
+        with nodes[0], nodes[1]:
+            assert [n.wait() for n in nodes] == [2, 2], nodes[0].stderr + nodes[1].stderr
     says = "ddp_train.py: error: the ranks start at steps [62, 0]: a shared --out-dir"
     assert last_line(nodes[0].stderr) == says and not nodes[1].stderr, nodes[0].stderr
     assert {p.name: p.read_bytes() for p in (tmp_path / "node0/out").iterdir()} == before
@@ -857,7 +951,8 @@ def test_make_train_and_train_cpu_run_a_script_of_yours_each_in_its_own_out_dir(
     repo = fresh_checkout(tmp_path / "repo")
     for target, world in (("train", 1), ("train-cpu", 2)):
         make = ["make", "-s", target, "SCRIPT=examples/digits.py", "ARGS=--epochs 1 --log-every 0"]
-        with Launch(make, tmp_path, target, env=clean_env(PYTHONPATH=None), cwd=repo) as launch:
+        env = clean_env(PYTHONPATH=None)
+        with Launch(make, tmp_path, target, env=env, cwd=repo, slots=world) as launch:
             assert launch.wait() == 0, launch.stderr
         out = repo / "out" / target / "digits"
         assert f"world size {world}," in launch.stdout and (out / "model.pt").exists(), (
@@ -886,9 +981,10 @@ def test_every_readme_block_works_as_written(tmp_path):
         lines = [text] if language == "python" else [x for x in text.splitlines() if x.strip()]
         for line in lines:
             cmd = [".venv/bin/python", "-c", line] if language == "python" else ["bash", "-c", line]
-            with Launch(
-                cmd, tmp_path, f"block{ran}", env=clean_env(PYTHONPATH=None), cwd=repo
-            ) as r:
+            # make check's own launches take their slots
+            slots = 0 if "make check" in line else processes(line.split())
+            env = clean_env(PYTHONPATH=None)
+            with Launch(cmd, tmp_path, f"block{ran}", env=env, cwd=repo, slots=slots) as r:
                 assert r.wait(240) == 0, f"{line}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
             ran += 1
     assert ran >= 7, ran
@@ -940,9 +1036,9 @@ def test_make_help_lists_every_target_once():
     assert sorted(targets) == sorted(want), text
 
 
-# Against regrowth, not a target: the issue's 5,500 tokens and 900 lines did not hold the redesign
-# for the reader and its fixes (6,4xx and 1,1xx); the longest function fits a screen.
-CEILING = {"tokens": 6600, "lines": 1150, "function lines": 60}
+# Against regrowth, not a target: the ceiling that the issue "Nothing lost, nothing flaky" set for its
+# fixes (7,200 code tokens and 1,300 lines); the longest function fits a screen.
+CEILING = {"tokens": 7200, "lines": 1300, "function lines": 60}
 
 
 def test_the_script_stays_within_its_budget():
@@ -984,77 +1080,117 @@ def test_two_hosts_train_the_run_of_one_process_with_their_global_batch(
     two_hosts, tmp_path, reference
 ):
     out, port = tmp_path / "out", free_port()
+    one = reference(python_cmd(*SMALL))
     settings = dict(
         PYTHON=PY, NNODES=2, MASTER_ADDR=two_hosts[0].addr, MASTER_PORT=port, NPROC_PER_NODE=1
     )
-    nodes = [
-        Launch(
-            h.command(RUN_MULTI, *SMALL[:-3], 16, "--out-dir", out),
-            tmp_path,
-            f"node{i}",
-            env=clean_env(NODE_RANK=i, IFNAME=h.ifname, TIMEOUT=60, **settings),
-        )
-        for i, h in enumerate(two_hosts)
-    ]
-    with nodes[0], nodes[1]:
-        assert [n.wait() for n in nodes] == [0, 0], nodes[0].stderr + nodes[1].stderr
-    r = nodes[0].result(out)
-    assert "world size 2," in r.stdout + nodes[1].stdout
-    assert_same_weights(r.weights, reference(python_cmd(*SMALL)).weights)
-
-
-@multinode
-def test_two_node_restarts_resume_bit_identical_or_are_refused_without_their_store_fix(
-    two_hosts, project, tmp_path, reference
-):
-    # torchrun --nnodes=2 --max-restarts=1, as typed. Its store shared across restarts would leave the
-    # nodes under different restart counts (node 1's worker dies, node 0's is busy and only restarted):
-    # refused in one line. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node, the run restarts
-    # on both nodes and ends bit-identical to the uninterrupted run.
-    port = free_port()
-
-    def nodes(name, **env):
-        endpoint = f"--rdzv-endpoint={two_hosts[0].addr}:{port}"
-        launcher = ["--nnodes=2", "--nproc_per_node=1", "--max-restarts=1", "--rdzv-backend=c10d"]
-        return [
+    with reserve_slots():  # (the nodes wait for each other: no other test beside them)
+        nodes = [
             Launch(
-                h.command(
-                    PY,
-                    "-m",
-                    "torch.distributed.run",
-                    *launcher,
-                    endpoint,
-                    f"--rdzv-id={name}",
-                    f"--local-addr={h.addr}",
-                    project / "user.py",
-                    *RESUME,
-                    "--timeout",
-                    60,
-                    "--out-dir",
-                    tmp_path / name,
-                ),
+                h.command(RUN_MULTI, *SMALL[:-3], 16, "--out-dir", out),
                 tmp_path,
-                f"{name}{i}",
-                env=clean_env(GLOO_SOCKET_IFNAME=h.ifname, **env),
+                f"node{i}",
+                env=clean_env(NODE_RANK=i, IFNAME=h.ifname, TIMEOUT=PEER_TIMEOUT, **settings),
             )
             for i, h in enumerate(two_hosts)
         ]
+        with nodes[0], nodes[1]:
+            assert [n.wait() for n in nodes] == [0, 0], nodes[0].stderr + nodes[1].stderr
+    r = nodes[0].result(out)
+    assert "world size 2," in r.stdout + nodes[1].stdout
+    assert_same_weights(r.weights, one.weights)
 
-    refused = nodes("refused")
-    with refused[0], refused[1]:
-        assert [n.wait() for n in refused] != [0, 0]
-    says = "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node"
-    assert says in refused[0].stderr and "Traceback" not in refused[0].stderr.split(says)[0], (
-        refused[0].stderr
+
+def torchrun_on(host, *launcher, name, endpoint, args, tmp_path, **env):
+    """torchrun of one process on one of the two hosts, as typed: through torchrun's shared store.
+    --local-addr names the host, so that the host of the lower address is node 0 of each round."""
+    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--local-addr={host.addr}"]
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node=1", *rdzv, *launcher, *args]
+    return Launch(
+        host.command(*cmd), tmp_path, name, env=clean_env(GLOO_SOCKET_IFNAME=host.ifname, **env)
     )
-    stop = dict(STOP_AT=75, STOP_SIGNAL="SIGKILL", STOP_RANK=1, VARIANT="busy")
-    restarted = nodes("restarted", TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, **stop)
-    with restarted[0], restarted[1]:
-        assert [n.wait(240) for n in restarted] == [0, 0], restarted[0].stderr + restarted[1].stderr
-    r = restarted[0].result(tmp_path / "restarted")
-    assert "resumed from" in r.stdout and "at step 70," in r.stdout, r
+
+
+@multinode
+def test_two_node_restarts_resume_bit_identical(two_hosts, project, tmp_path, reference):
+    # torchrun --nnodes=2 --max-restarts=1, as typed, with its store shared across rounds. Node 1's
+    # worker dies while node 0's computes: node 1 counts a restart and node 0 does not, and both
+    # restart in a new round, which finds the old round's keys in that store. The run resumes on
+    # both nodes and ends bit-identical to the uninterrupted run.
+    endpoint = f"{two_hosts[0].addr}:{free_port()}"
     whole = reference(user_cmd(project, "torchrun 2", *RESUME))
+    args = [project / "user.py", "--timeout", PEER_TIMEOUT, *RESUME, "--out-dir", tmp_path / "out"]
+    stop = dict(STOP_AT=75, STOP_SIGNAL="SIGKILL", STOP_RANK=1, VARIANT="busy")
+    with reserve_slots():  # (the nodes wait for each other: no other test beside them)
+        launcher = ["--nnodes=2", "--max-restarts=1", "--rdzv-id=restarts"]
+        nodes = [
+            torchrun_on(
+                h,
+                *launcher,
+                name=f"node{i}",
+                endpoint=endpoint,
+                args=args,
+                tmp_path=tmp_path,
+                **stop,
+            )
+            for i, h in enumerate(two_hosts)
+        ]
+        with nodes[0], nodes[1]:
+            codes = [n.wait(240) for n in nodes]
+            assert codes == [0, 0], nodes[0].stderr + nodes[1].stderr
+    r = nodes[0].result(tmp_path / "out")
+    assert "resumed from" in r.stdout and "at step 70," in r.stdout, r
     assert_same_weights(r.weights, whole.weights, exact=True)
+
+
+@multinode
+def test_a_node_that_leaves_and_joins_again_resumes_the_run_with_its_global_batch(
+    two_hosts, project, tmp_path, reference
+):
+    # An elastic job of 1 to 2 nodes of one process each. Node 1 dies once both trained to a
+    # checkpoint: node 0's worker loses its peer, and node 0 restarts it alone, with 2 micro-batches
+    # a step (the same global batch of 32). Node 1 joins again: node 0's worker stops and saves, and
+    # both resume at world size 2, node 0 at its restart count 1 and node 1 at 0. The run ends as
+    # the uninterrupted one at world size 2, to float rounding. A joining node needs a store of its
+    # round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as run_multi_node.sh sets for elastic jobs): in
+    # torch's shared store, a new node's torchrun waits for an address that no node writes.
+    out, endpoint = tmp_path / "out", f"{two_hosts[0].addr}:{free_port()}"
+    whole = reference(user_cmd(project, "torchrun 2", *RESUME))
+    conf = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+    args = [project / "user.py", "--timeout", PEER_TIMEOUT, *RESUME, "--out-dir", out]
+
+    def node(i, name):
+        elastic = ["--nnodes=1:2", "--max-restarts=3", "--rdzv-id=elastic"]
+        elastic.append(f"--rdzv-conf=is_host={int(i == 0)},{conf}")
+        host = two_hosts[i]
+        return torchrun_on(
+            host,
+            *elastic,
+            name=name,
+            endpoint=endpoint,
+            args=args,
+            tmp_path=tmp_path,
+            VARIANT="waitjoin",
+            TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+        )
+
+    with reserve_slots(), node(0, "a") as a:
+        with node(1, "b") as b:
+            a.wait_for(
+                lambda: "world size 2" in a.stdout and (out / "checkpoint.pt").exists(),
+                "a checkpoint of two",
+            )
+            b.kill()
+        # alone, node 0's worker waits in its first step until a node joins
+        a.wait_for(lambda: "world size 1," in a.stdout, "node 0 alone")
+        with node(1, "b_again") as b_again:
+            assert [a.wait(240), b_again.wait(240)] == [0, 0], a.stderr + b_again.stderr
+    r = a.result(out)
+    assert "global batch 32 = 16/process x 1 x 2 accum" in r.stdout, r
+    rounds = re.findall(r"world size (\d)", r.stdout)
+    assert rounds == ["2", "1", "2"] and r.stdout.count("saved by 1 process(es)") == 1, r
+    assert r.records("epoch")[-1]["world_size"] == 2
+    assert_same_weights(r.weights, whole.weights)
 
 
 def slurm_job(cluster, tmp_path, script, *options):
@@ -1071,14 +1207,12 @@ def slurm_job(cluster, tmp_path, script, *options):
 def test_srun_tasks_are_the_processes_of_one_run(slurm_cluster, tmp_path, reference):
     # `srun -N2 -n2 python ddp_train.py`: MASTER_ADDR from the step's node list (node[0-1]: node0)
     out = tmp_path / "out"
-    args = " ".join(
-        map(str, [*SMALL[:-3], 16, "--log-every", 0, "--timeout", 60, "--out-dir", out])
-    )
-    _, _, text = slurm_job(
-        slurm_cluster, tmp_path, f"srun -N2 -n2 {PY} {SCRIPT} {args}\n", "-N2", "-n2"
-    )
-    assert "world size 2," in text, text
     two = reference(torchrun_cmd(2, *SMALL[:-3], 16, "--log-every", 0))
+    args = [*SMALL[:-3], 16, "--log-every", 0, "--timeout", PEER_TIMEOUT, "--out-dir", out]
+    job = f"srun -N2 -n2 {PY} {SCRIPT} {' '.join(map(str, args))}\n"
+    with reserve_slots():  # (the tasks wait for each other: no other test beside them)
+        _, _, text = slurm_job(slurm_cluster, tmp_path, job, "-N2", "-n2")
+    assert "world size 2," in text, text
     assert_same_weights(torch.load(out / "model.pt"), two.weights, exact=True)
 
 
@@ -1093,25 +1227,26 @@ def test_a_signalled_slurm_job_is_requeued_by_run_multi_node_and_resumes_bit_ide
         line[4:] for line in Path(RUN_MULTI).read_text().splitlines() if line.startswith("#   ")
     ]
     script = "\n".join(header[header.index("#!/bin/bash") + 1 :]) + "\n"
-    args = " ".join(map(str, RESUME))
+    args = " ".join(map(str, [*RESUME, "--timeout", PEER_TIMEOUT]))
     script = script.replace("/shared/runs", str(tmp_path))
     script = script.replace("--slurm -- ", f"--slurm --script {project}/user.py -- {args} ")
     output = tmp_path / "job.out"
-    job = slurm_cluster.sbatch(script, output=output)
-    out = tmp_path / job
-    deadline = time.monotonic() + 120
-    while not (out / "checkpoint.pt").exists():
-        assert time.monotonic() < deadline, output.read_text()
-        time.sleep(0.1)
-    slurm_cluster.run(["scancel", "--signal=USR1", job])
-    info = slurm_cluster.wait(job, 180)
+    whole = reference(user_cmd(project, "torchrun 2", *RESUME))
+    with reserve_slots():  # (the nodes wait for each other: no other test beside them)
+        job = slurm_cluster.sbatch(script, output=output)
+        out = tmp_path / job
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoint.pt").exists():
+            assert time.monotonic() < deadline, output.read_text()
+            time.sleep(0.1)
+        slurm_cluster.run(["scancel", "--signal=USR1", job])
+        info = slurm_cluster.wait(job, 180)
     text = output.read_text()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (
         info,
         text,
     )
     assert "stopped by a signal at step" in text and "resumed from" in text, text
-    whole = reference(user_cmd(project, "torchrun 2", *RESUME))
     assert_same_weights(torch.load(out / "model.pt"), whole.weights, exact=True)
 
 
@@ -1152,6 +1287,37 @@ def test_a_gpu_run_stopped_by_sigterm_resumes_bit_identical(project, tmp_path, r
     assert_same_weights(
         again.weights, reference(user_cmd(project, f"torchrun {n}", *RESUME)).weights, exact=True
     )
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "variant,extra",
+    [
+        ("", []),  # samples, an int count
+        ("", ["--grad-accum", 2]),
+        ("tokens", []),  # tokens, an int count, as y.numel() gives it
+        ("tokens", ["--grad-accum", 2]),
+        ("masked", []),  # tokens, a count on the device, as (y != -100).sum() gives it
+        ("masked", ["--grad-accum", 2]),
+        ("encoded", ["--amp", "bf16"]),  # batches with a .to() of their own (BatchEncoding)
+        ("", ["--amp", "fp16"]),  # the GradScaler with the fused AdamW
+    ],
+)
+def test_no_step_waits_for_the_gpu_but_those_that_log_evaluate_or_save(
+    project, tmp_path, variant, extra
+):
+    # torch.cuda.set_sync_debug_mode("error") in every step that neither logs, evaluates nor saves
+    # (user.py's nosync): a wait for the GPU there fails the run, with the line that waited. Allowed:
+    # a token run's first step (nothing is known of its count yet), and under DDP its first 10
+    # iterations, which DDP measures with CUDA events.
+    n = torch.cuda.device_count()
+    launch = "python" if n == 1 else f"torchrun {n}"
+    args = ["--num-samples", 4096, "--max-steps", 40, "--log-every", 10, *extra]
+    env = clean_env(VARIANT=f"nosync,{variant}", CHECK_FROM=1 if n == 1 else 12)
+    r = run(user_cmd(project, launch, *args), tmp_path, env=env)
+    assert "cuda:0" in r.stdout or "nccl" in r.stdout, r
+    assert "synchronizing" not in r.stderr, r.stderr
 
 
 @gpu
@@ -1350,7 +1516,7 @@ def make_check(tmp_path, script, args=(), checks=()) -> tuple[int, dict, str]:
     cmd += [f"--basetemp={tmp_path / 'check'}", "test_ddp_train.py::test_your_copy"]
     cmd += [f"--copy={script}", f"--copy-args={shlex.join(map(str, args))}"]
     cmd += [f"--copy-checks={','.join(map(str, checks))}"]
-    with Launch(cmd, tmp_path, "make-check") as launch:
+    with Launch(cmd, tmp_path, "make-check", slots=0) as launch:  # (its launches take theirs)
         code = launch.wait(timeout=300)
     lines = {}
     for line in launch.stdout.splitlines():
@@ -1392,7 +1558,8 @@ def test_make_check_passes_a_correct_copy_that_differs_by_design(tmp_path, copy)
 def test_make_check_passes_every_shipped_task(tmp_path, task):
     repo = fresh_checkout(tmp_path / "repo")
     make = ["make", "-s", "check", f"SCRIPT={task}"]
-    with Launch(make, tmp_path, "make", env=clean_env(PYTHONPATH=None), cwd=repo) as launch:
+    env = clean_env(PYTHONPATH=None)
+    with Launch(make, tmp_path, "make", env=env, cwd=repo, slots=0) as launch:  # (as make_check)
         code = launch.wait(timeout=300)
     # N x B and 1 x N*B: equal for the default task; by design not for digits' BatchNorm, dropout
     # and augmentation, nor for tinylm's dropout: said, and not failed
@@ -1404,24 +1571,3 @@ def test_make_check_passes_every_shipped_task(tmp_path, task):
         assert re.search(rf"^n/a +2\. .*{name}", launch.stdout, re.M), launch.stdout
     name = Path(task).stem  # the runs, in the project's out/ as make train's
     assert (repo / "out/check" / name / "test_your_copy0/records/torchrun/run.out").exists()
-
-
-def test_make_check_runs_again_a_launch_whose_process_aborted_at_exit(tmp_path):
-    # gloo's rare abort at exit, once, by rank 1 of the first two-process launch to end
-    script = write_copy(
-        tmp_path / "project",
-        "aborts-once",
-        """
-import atexit
-def abort_once():
-    if os.environ.get("RANK", "0") == "1" and not os.path.exists("aborted-once"):
-        open("aborted-once", "w").close()
-        sys.stderr.write("terminate called without an active exception\\n")
-        sys.stderr.flush()
-        os._exit(134)
-atexit.register(abort_once)
-""",
-    )
-    code, lines, output = make_check(tmp_path, script, checks=[1])
-    assert code == 0 and lines[1][0] == "pass", output
-    assert re.search(r"\(run again: (torchrun|spawn), whose process aborted at exit\)", output)
