@@ -1555,6 +1555,10 @@ def audit(event, args):
             return
     elif event in ("os.rename", "os.remove", "os.truncate"):  # (a directory made is no file)
         path = args[0]
+        # shutil.rmtree removes a directory's files by their names, relative to its descriptor
+        dir_fd = {"os.remove": args[-1], "os.rename": args[2]}.get(event)
+        if dir_fd is not None and not os.path.isabs(path):
+            path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), os.fsdecode(path))
     else:
         return
     path = os.fsdecode(path)
