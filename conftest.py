@@ -1554,10 +1554,13 @@ def audit(event, args):
         if not writing or not isinstance(path, (str, bytes, os.PathLike)):
             return
     elif event in ("os.rename", "os.remove", "os.truncate"):  # (a directory made is no file)
-        path = args[0]
         # shutil.rmtree removes a directory's files by their names, relative to its descriptor
-        dir_fd = {"os.remove": args[-1], "os.rename": args[2]}.get(event)
-        if dir_fd is not None and not os.path.isabs(path):
+        path, dir_fd = args[0], -1  # (-1: the path alone)
+        if event == "os.remove":
+            dir_fd = args[1]
+        elif event == "os.rename":
+            dir_fd = args[2]
+        if dir_fd != -1 and not os.path.isabs(path):
             path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), os.fsdecode(path))
     else:
         return

@@ -705,10 +705,11 @@ def evaluate(model, eval_loader, ctx, autocast):
     for module, training in modes:  # Trap: not model.train(): a part frozen in eval mode stays so
         module.train(training)
     *sums, count = rank_sums.packed().tolist()  # the only read of the device
-    per_rank = [Totals(dict(zip(rank_sums.sums, sums)), count)]
+    this_rank = Totals(dict(zip(rank_sums.sums, sums)), count)
+    per_rank = [this_rank]
     if ctx.world_size > 1:  # (a rank's share may be empty: it has no names to add)
-        rank_totals, per_rank = per_rank[0], [None] * ctx.world_size
-        dist.all_gather_object(per_rank, rank_totals, group=ctx.cpu_group)  # DDP: all sums
+        per_rank = [None] * ctx.world_size
+        dist.all_gather_object(per_rank, this_rank, group=ctx.cpu_group)  # DDP: all sums
     totals = Totals()
     for rank_totals in per_rank:
         totals.add(rank_totals)
@@ -976,7 +977,8 @@ def spawn(processes, argv):
         rank_env = env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
         workers.append(subprocess.Popen(command, env=rank_env))
     codes = [worker.wait() for worker in workers]
-    failed = [code if code > 0 else 128 - code for code in codes if code]  # (-9: killed, 137)
+    # A worker that a signal N killed returns -N, which a shell writes as 128 + N.
+    failed = [code if code > 0 else 128 - code for code in codes if code]
     return failed[0] if failed else 0
 
 
