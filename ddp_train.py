@@ -432,7 +432,7 @@ def train(args, ctx):
             # all ranks: the save comes first, so that the grace period after a stop goes to it
             if save_now:
                 save_checkpoint(args, ctx, run)
-            if not stop.agreed:  # (a stop leaves the records to the rerun, which writes them first)
+            if not stop.agreed or step == plan.total_steps:  # (a stop: the rerun writes them first)
                 write_records(progress.records, args, ctx, run)
     exit_code = finish(args, ctx, run, stopped=stop.agreed)
     stop.restore()  # only now: a signal that comes before model.pt is written only gets noted

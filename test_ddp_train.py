@@ -575,6 +575,11 @@ def test_a_stop_saves_before_it_evaluates_and_the_rerun_writes_the_evaluation_fi
     assert f"resumed from {tmp_path}/out/checkpoint.pt at step {stopped_at}," in again.stdout
     assert steady(again.metrics) == steady(whole.metrics)
     assert_same_weights(again.weights, whole.weights, exact=True)
+    # A stop that the ranks agree on at the last step ends a run that is done: it writes the
+    # step's records and model.pt, and exits 0.
+    last_stop = dict(STOP_AT=127, STOP_SIGNAL="SIGTERM", STOP_RANK=1)
+    last = run(cmd, tmp_path, "last", env=clean_env(**last_stop))
+    assert "saved" in last.stdout and steady(last.metrics) == steady(whole.metrics), last
 
 
 def test_a_crash_between_a_checkpoint_and_its_records_loses_no_record(project, tmp_path, reference):
