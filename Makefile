@@ -82,7 +82,7 @@ lint: setup  ## every Python file formatted as ruff format --line-length 100 wri
 	$(PY) -m ruff format --check --line-length 100 .
 
 test: setup  ## the whole test suite: real processes, two tests at a time (pytest-xdist)
-	$(PY) -m pytest -q $$($(PY) -c "import xdist" 2>/dev/null && echo --numprocesses=2) test_ddp_train.py
+	$(PY) -m pytest -q --durations=15 $$($(PY) -c "import xdist" 2>/dev/null && echo --numprocesses=2) test_ddp_train.py
 
 # make check: the guarantees, on your script (SCRIPT) with your flags (ARGS), in real processes on the
 # CPU: one line each. CHECKS=2,3 runs only those. Its launches stay in out/check/SCRIPT until the next.

@@ -1,23 +1,27 @@
 """ddp_train.py: the minimal reference PyTorch DistributedDataParallel (DDP) training script.
 
-One file, torch only (2.4 to 2.15). Launch it unchanged:
+This is one file, and it needs only torch (2.4 to 2.15). You launch it unchanged in any of
+these ways:
 
-    python ddp_train.py                                  # one process: the CPU or one GPU
-    python ddp_train.py --spawn 2                        # N local processes, no launcher to type
-    torchrun --nproc_per_node=4 ddp_train.py             # one node, 4 processes
+    python ddp_train.py                                  # one process, on the CPU or one GPU
+    python ddp_train.py --spawn 2                        # N local processes, with no launcher
+    torchrun --nproc_per_node=4 ddp_train.py             # one node with 4 processes
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 \\
-        --rdzv-id=job1 ddp_train.py                      # the same on each of 2 nodes
-    srun --ntasks-per-node=8 --gpus-per-node=8 python ddp_train.py     # SLURM: a task per GPU
+        --rdzv-id=job1 ddp_train.py                      # the same command on each of 2 nodes
+    srun --ntasks-per-node=8 --gpus-per-node=8 python ddp_train.py     # SLURM, one task per GPU
     python -m torch.distributed.launch --nproc_per_node=2 ddp_train.py  # the legacy launcher
 
-Read it top to bottom:
-  1. your task: its flags and functions. Edit them, or assign yours from a script that imports
-     this file (examples/digits.py);
-  2. init_distributed() and cleanup_distributed(): join the process group, and leave it;
-  3. train(): the tutorials' loop in torch's own names, its setup first, then the small functions
-     it calls (one step, the loss all_reduce, evaluation, checkpoints, the stop agreement);
-  4. helpers.
-Each line that DDP adds to a plain training loop says "DDP:", each classic trap "Trap:".
+Read it from top to bottom. It has four sections.
+  1. Your task. These are its flags and functions. Edit them here, or assign your own from a
+     script that imports this file, as examples/digits.py does.
+  2. init_distributed() joins the process group, and cleanup_distributed() leaves it.
+  3. train() is the tutorials' loop, written with torch's own names. Its setup comes first. The
+     small functions that it calls come after it: one step, the loss all_reduce, evaluation,
+     checkpoints and the stop agreement.
+  4. The helpers come last. They hold the flags, the launchers' plumbing and small functions. A
+     first read can skip them.
+Each line that DDP adds to a plain training loop is marked "DDP:". Each classic trap is marked
+"Trap:".
 """
 
 import argparse
@@ -43,9 +47,10 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-# Trap: the functions of this module take the process group that exists when it is first imported
-# as their default group. DDP imports it after the group is made, and that reference keeps gloo's
-# threads alive past destroy_process_group, which can abort the exit ("terminate called").
+# Trap: Keep this import here, before any process group exists. Without it, a run of two processes
+# can end with "terminate called" after it has saved. The module remembers the group that exists
+# when it is first imported. DDP imports it later, so the module would keep the group, and gloo's
+# threads would outlive the group and abort the exit. Imported now, it remembers no group.
 import torch.distributed.nn.functional  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -54,37 +59,38 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_collate
 
-try:  # optional: where a Dataset draws from numpy, its generator is seeded and checkpointed too
+try:  # numpy is optional. If a Dataset draws from numpy, we seed and checkpoint its generator.
     import numpy
 except ImportError:
     numpy = None
 
-PROG = os.path.basename(sys.argv[0])  # this script's name in its lines, or yours (mine.py)
-# Stop, save and exit 75: preemption (torchrun, SLURM, Kubernetes), and Ctrl-C
+PROG = os.path.basename(sys.argv[0])  # The messages name the script that runs, such as mine.py.
+# These signals make the run save and exit with code 75. Schedulers send them to preempt a job
+# (torchrun, SLURM and Kubernetes do), and Ctrl-C sends SIGINT.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 # ====== 1. Your task: replace these ==============================================================
 
-# What compute_loss's count counts: "samples", or "tokens" for a language model.
+# This says what compute_loss counts. It is "samples", or "tokens" for a language model.
 COUNT_UNIT = "samples"
 
-# Your task's own flags, beside the script's: --name, its default, what it does. The default gives
-# the type (0.0 for a float, not 0). True or False makes a switch: --name turns it on, --no-name
-# off. Read it as args.name.
+# These are your task's own flags, in addition to the script's flags. Each entry gives the name, the
+# default and the help text. The default sets the type, so write 0.0 for a float, not 0. A default
+# of True or False makes a switch: --name turns it on, and --no-name turns it off. Your code reads
+# the value as args.name.
 TASK_FLAGS = [
     ("num-samples", 32768, "the default task's training samples"),
     ("eval-samples", 4096, "the default task's evaluation samples (0: none)"),
 ]
 
-FEATURES, CLASSES = (
-    32,
-    10,
-)  # the default task: Gaussian inputs labelled by a random linear "teacher"
+# The default task has Gaussian inputs. A random linear "teacher" gives each input its label.
+FEATURES = 32
+CLASSES = 10
 
 
 class InMemory(TensorDataset):
-    """The default task's tensors: a whole batch at once (one gather, not a loop over samples)."""
+    """The default task's tensors. It reads a whole batch with one gather, not with a loop."""
 
     def __getitems__(self, indices):
         rows = torch.tensor(indices)
@@ -92,8 +98,8 @@ class InMemory(TensorDataset):
 
 
 def build_datasets(args):
-    """(train_set, eval_set): map-style Datasets (with a __len__), the same on every rank; eval_set
-    may be None or empty (no evaluation)."""
+    """Return (train_set, eval_set). Both are map-style Datasets, which have a __len__, and every
+    rank builds the same ones. The eval_set may be None or empty, and then nothing is evaluated."""
     check(args.num_samples >= 0, f"--num-samples is {args.num_samples}: it is at least 0")
     check(args.eval_samples >= 0, f"--eval-samples is {args.eval_samples}: it is at least 0")
     generator = torch.Generator().manual_seed(args.seed)
@@ -107,40 +113,48 @@ def build_datasets(args):
 
 
 def build_model(args):
-    """Any nn.Module. The default: a small MLP classifier."""
+    """Return any nn.Module. The default task uses a small MLP classifier."""
     return nn.Sequential(
         nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, CLASSES)
     )
 
 
 def compute_loss(model, batch):
-    """(loss, count) or (loss, count, metrics) of one batch (collate_fn's, on the device).
+    """Return (loss, count) or (loss, count, metrics) for one batch that collate_fn made.
 
-    model: in training the DDP model (compiled with --compile), whose forward DDP must see; in
-    evaluation the raw module, in eval mode. loss: the MEAN over count items, as F.cross_entropy
-    returns it. count: an int or a 0-dim tensor, the samples (or, with COUNT_UNIT = "tokens", a
-    language model's real tokens: (labels != -100).sum()). metrics: {name: mean over the same
-    items}, logged as train_<name> and eval_<name>. The script weighs each mean by its count, so
-    every gradient and figure is the exact mean over all items of a step (a mean of no items weighs
-    nothing, but its gradient must be finite, as F.cross_entropy's is)."""
+    The batch is already on the device. In training, model is the DDP model, which is compiled
+    with --compile, and its forward must run so that DDP sees it. In evaluation, model is the raw
+    module in eval mode.
+    The loss is the MEAN over count items, as F.cross_entropy returns it.
+    The count is an int or a 0-dim tensor. It counts samples, or a language model's real tokens
+    when COUNT_UNIT is "tokens", for example (labels != -100).sum().
+    The metrics are a dict {name: mean over the same items}. They are logged as train_<name> and
+    eval_<name>.
+    The script weighs each mean by its count, so every gradient and every logged figure is the
+    exact mean over all the items of a step. A mean over no items weighs nothing, but its gradient
+    must still be finite, as the gradient of F.cross_entropy is."""
     inputs, targets = batch
     logits = model(inputs).float()
     loss = F.cross_entropy(logits, targets)
-    if model.training:  # (accuracy only in evaluation: training stays fast)
+    if model.training:  # Training skips the accuracy, so that it stays fast.
         return loss, len(targets)
     return loss, len(targets), {"accuracy": (logits.argmax(dim=1) == targets).float().mean()}
 
 
 def collate_fn(items):
-    """What the Dataset gave for a batch -> the batch: a list of items, which torch's
-    default_collate stacks (items of different shapes need one that pads: examples/tinylm.py); or
-    InMemory's whole batch, a tuple of tensors already, which stays."""
+    """Turn what the Dataset gave for a batch into the batch.
+
+    A list of items goes through torch's default_collate, which stacks them. Items of different
+    shapes need a collate_fn that pads them, as in examples/tinylm.py. InMemory already gives a
+    whole batch as a tuple of tensors, and that tuple stays as it is."""
     return items if isinstance(items, tuple) else default_collate(items)
 
 
 def build_optimizer(args, model):
-    """One optimizer, or a list. The default: AdamW as nanoGPT sets it up, --weight-decay on weights
-    (matrices and embeddings) only, not biases and norms; fused: one kernel for all."""
+    """Return one optimizer, or a list of them.
+
+    The default is AdamW as nanoGPT sets it up. It applies --weight-decay only to the matrices and
+    embeddings, not to biases and norms. The fused AdamW updates all parameters in one kernel."""
     params = list(model.parameters())
     decayed = [p for p in params if p.dim() >= 2]
     not_decayed = [p for p in params if p.dim() < 2]
@@ -152,10 +166,12 @@ def build_optimizer(args, model):
 
 
 def build_scheduler(args, optimizer, total_steps):
-    """A torch LRScheduler for one optimizer (OneCycleLR...), stepped after each optimizer step and
-    checkpointed. The default: a linear warmup over --warmup-steps, then cosine decay to 0."""
+    """Return a torch LRScheduler, such as OneCycleLR, for one optimizer.
 
-    def factor(step):  # step: the optimizer steps done before this one
+    The script steps it after each optimizer step and saves it in each checkpoint. The default
+    warms up linearly over --warmup-steps and then decays to 0 along a cosine."""
+
+    def factor(step):  # The step argument counts the optimizer steps done before this one.
         if step < args.warmup_steps:
             return (step + 1) / args.warmup_steps
         decay_steps = max(1, total_steps - args.warmup_steps)
@@ -165,42 +181,50 @@ def build_scheduler(args, optimizer, total_steps):
 
 
 def report(record, args, model):
-    """Rank 0 calls this with each record it logs (after the checkpoint of the record's step, where
-    that step saves): send it to W&B or TensorBoard here. args: the flags (args.out_dir: the run's
-    files); model: the raw module, whose state_dict() holds the weights of this step."""
+    """Rank 0 calls this with each record that it logs. Send the record to W&B or TensorBoard here.
+
+    If the record's step saves a checkpoint, the checkpoint is written before this call. The run's
+    files are in args.out_dir. The model is the raw module, and its state_dict() holds the weights
+    of this step."""
 
 
 # ====== 2. Joining the process group, and leaving it =============================================
 
 
 @dataclasses.dataclass
-class DistContext:
+class World:
     """This process's place in the run."""
 
-    rank: int  # 0 to world_size - 1, over all nodes
+    rank: int  # The rank goes from 0 to world_size - 1 over all nodes.
     world_size: int
     device: torch.device
-    # small CPU messages (the stop flag, the random states, the barrier) go over gloo: on CPUs the
-    # process group itself, on GPUs a gloo group beside NCCL (None: a single process, no group)
+    # Small CPU messages go over gloo. They are the stop flag, the random states and the barrier.
+    # On CPUs this is the process group itself. On GPUs it is a gloo group beside the NCCL group.
+    # A single process has no group, and this stays None.
     cpu_group: object = None
 
 
 def init_distributed(timeout_s):
-    """Find this process's place (torchrun's variables, which --spawn and the legacy launcher set
-    too; a bare srun's, translated; plain python: one process), pick its device, join the group."""
+    """Find this process's place in the run, pick its device and join the process group.
+
+    The place comes from torchrun's variables. --spawn and the legacy launcher set them too. A bare
+    srun sets SLURM's variables, and the script translates them. Plain python is one process."""
     if "RANK" not in os.environ:
-        os.environ.update(torchrun_variables_from_slurm(os.environ))  # {} outside SLURM
+        os.environ.update(
+            torchrun_variables_from_slurm(os.environ)
+        )  # This adds nothing outside SLURM.
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = pick_device(local_rank)
     if world_size == 1:
-        return DistContext(rank, world_size, device)
+        return World(rank, world_size, device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    # DDP: join the process group: NCCL on GPUs, gloo on CPUs (a missing peer: an error in time)
+    # DDP: Join the process group. GPUs use NCCL and CPUs use gloo. The timeout turns a missing
+    # peer into an error instead of a hang.
     backend = "nccl" if device.type == "cuda" else "gloo"
     try:
-        store = round_store(timeout)  # None: torchrun's env:// rendezvous
+        store = round_store(timeout)  # Each round of workers gets its own store (section 4).
         dist.init_process_group(
             backend, timeout=timeout, store=store, rank=rank, world_size=world_size
         )
@@ -217,19 +241,20 @@ def init_distributed(timeout_s):
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     else:
         cpu_group = dist.group.WORLD
-    return DistContext(rank, world_size, device, cpu_group)
+    return World(rank, world_size, device, cpu_group)
 
 
 def pick_device(local_rank):
-    """This process's device: cuda:LOCAL_RANK where there are GPUs, else the CPU (on a GPU machine
-    CUDA_VISIBLE_DEVICES= trains on its CPUs)."""
+    """Return this process's device. It is cuda:LOCAL_RANK where there are GPUs, else the CPU.
+
+    On a GPU machine, CUDA_VISIBLE_DEVICES= makes the run train on the CPUs."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
     if local_rank < gpus:
         index = local_rank
     elif gpus == 1 and "LOCAL_WORLD_SIZE" not in os.environ:
-        index = 0  # srun --gpus-per-task=1 shows each task its own GPU only
+        index = 0  # With srun --gpus-per-task=1, each task sees only its own GPU.
     else:
         processes = os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)
         fail(
@@ -238,85 +263,62 @@ def pick_device(local_rank):
             every_rank=True,
         )
     device = torch.device("cuda", index)
-    torch.cuda.set_device(device)  # DDP: a GPU per process, current before anything touches CUDA
+    # DDP: Each process has its own GPU. It must be the current device before anything uses CUDA.
+    torch.cuda.set_device(device)
     return device
 
 
-def round_store(timeout):
-    """A store of this round of workers' own, where torchrun (2.5+) shares its store across the
-    rounds of a job; else None.
-
-    Trap: torchrun's store outlives a round of workers, at a restart or when a node joins or
-    leaves. A new round would find the old round's keys there and wait for workers that are gone
-    (pytorch/pytorch#135712). So rank 0 serves a new store for each round and leaves its port in
-    torchrun's store. The other ranks read the port there until it answers: the port of an old
-    round's store refuses a connection, since its rank 0 has exited."""
-    env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    host = env["MASTER_ADDR"]  # the node of rank 0, which serves torchrun's store too
-    shared = dist.TCPStore(host, int(env["MASTER_PORT"]), timeout=timeout)
-    if env["RANK"] == "0":
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        shared.set("ddp_train_round_store", str(store.port))
-        return store
-    deadline = time.monotonic() + timeout.total_seconds()
-    while time.monotonic() < deadline:
-        port = int(shared.get("ddp_train_round_store"))
-        try:
-            socket.create_connection((host, port), timeout=10).close()
-            return dist.TCPStore(host, port, timeout=timeout)
-        except ConnectionRefusedError:  # an old round's port: its rank 0 has exited
-            time.sleep(0.1)
-    raise TimeoutError(f"rank 0 of this round served no store within {timeout}")
-
-
-def cleanup_distributed(ctx):
-    """Leave the process group, also after an error."""
-    gc.collect()  # Trap: the DDP model freed before its process group: gloo can abort at exit
+def cleanup_distributed(world):
+    """Leave the process group. This also runs after an error."""
+    # Trap: The DDP model must be freed before its process group, or gloo can abort at exit.
+    gc.collect()
     if not dist.is_initialized():
         return
-    # Trap: torch < 2.8 frees a group holding the GIL, which a gloo thread freeing a tensor may wait
-    # for (a rare hang at exit): gloo's part outlives the group, then goes without the GIL
-    # (pytorch/pytorch#154976)
-    gloo_backend = ctx.cpu_group._get_backend(torch.device("cpu"))
-    ctx.cpu_group = None  # (its last reference: the group goes with destroy_process_group)
-    dist.destroy_process_group()  # DDP: leave the process group
+    # Trap: Keep these lines on torch before 2.8. There, destroy_process_group frees gloo while it
+    # holds the GIL, and a gloo thread that needs the GIL then waits forever (pytorch#154976). So we
+    # hold gloo's backend here, and `del` frees it later, when the GIL is free for gloo's threads.
+    gloo_backend = world.cpu_group._get_backend(torch.device("cpu"))
+    world.cpu_group = None  # This drops the last reference, so the group goes with destroy.
+    dist.destroy_process_group()  # DDP: Leave the process group.
     del gloo_backend
 
 
 # ====== 3. Training ==============================================================================
 
 
-@errors.record  # under torchrun, a worker's traceback shows in torchrun's failure summary
+@errors.record  # Under torchrun, this puts a worker's traceback in torchrun's failure summary.
 def main(argv=None):
     args = parse_args(argv)
     if args.spawn and "RANK" not in os.environ:
-        return spawn(args.spawn, argv)  # the processes' exit code, once they have all exited
-    ctx = init_distributed(args.timeout)
+        return spawn(args.spawn, argv)  # This waits until all the processes have exited.
+    world = init_distributed(args.timeout)
     try:
-        return evaluate_checkpoint(args, ctx) if args.eval_only else train(args, ctx)
+        return evaluate_checkpoint(args, world) if args.eval_only else train(args, world)
     except BaseException as exc:
-        traceback.clear_frames(exc.__traceback__)  # Trap: they hold the DDP model and the loaders
+        # Trap: The frames of a traceback hold the DDP model and the loaders. Clearing them lets
+        # cleanup_distributed() free the model before the process group.
+        traceback.clear_frames(exc.__traceback__)
         raise
     finally:
-        cleanup_distributed(ctx)
+        cleanup_distributed(world)
 
 
 @dataclasses.dataclass
 class Plan:
-    """What a step is, and how many there are."""
+    """What a step is, and how many steps there are."""
 
-    global_batch: int  # samples a step, over all ranks: --batch-size x world size x grad_accum
-    grad_accum: int  # micro-batches a step on each rank
-    steps_per_epoch: int  # full global batches only: an epoch leaves out its last, partial one
+    global_batch: int  # This counts the samples of a step over all ranks.
+    grad_accum: int  # This counts the micro-batches of a step on each rank.
+    steps_per_epoch: int  # Each step is a full global batch, so an epoch drops its partial end.
     total_steps: int
 
 
 @dataclasses.dataclass
-class Totals:
-    """Sums over items, over all ranks: of the loss and each metric, each mean weighed by its count;
-    and the count. A mean is a sum / the count."""
+class HostSums:
+    """Sums over all ranks, kept on the host for the records.
+
+    For the loss and each metric, the sum adds each mean times its count. The count adds up the
+    items. A logged mean is then a sum divided by the count."""
 
     sums: dict = dataclasses.field(default_factory=dict)
     count: float = 0.0
@@ -327,7 +329,8 @@ class Totals:
         self.count += other.count
 
     def means(self, prefix):
-        """{prefix + name: mean}; none where no item was counted (a window of no token)."""
+        """Return {prefix + name: mean}. It is empty where no item was counted, as in a window
+        without a single token."""
         if not self.count:
             return {}
         return {f"{prefix}{name}": value / self.count for name, value in self.sums.items()}
@@ -335,223 +338,239 @@ class Totals:
 
 @dataclasses.dataclass
 class Progress:
-    """The run's position, and the sums its next records report. Saved in every checkpoint."""
+    """The run's position, and the sums that its next records report. Every checkpoint saves it."""
 
-    step: int = 0  # optimizer steps done
-    epoch_totals: Totals = dataclasses.field(default_factory=Totals)  # of this epoch's steps
-    window_totals: Totals = dataclasses.field(default_factory=Totals)  # since the last log line
-    # The step's count over all ranks, as expected before the step: each micro-batch's mean is
-    # weighed against it. Samples: the global batch. Tokens: the last step's (None: the first
-    # micro-batches' tell); the gradients are rescaled to the step's real count after backward.
+    step: int = 0  # This counts the optimizer steps done.
+    # These sum the steps of this epoch, and the steps since the last progress record.
+    epoch_totals: HostSums = dataclasses.field(default_factory=HostSums)
+    window_totals: HostSums = dataclasses.field(default_factory=HostSums)
+    # This is the step's count over all ranks, as we expect it before the step. Each micro-batch
+    # weighs its mean by its count divided by this. For samples, it is exact: the global batch.
+    # A token count comes out of compute_loss, after the forward, but the weight must be known
+    # before that micro-batch's backward. So a token run uses the last step's count as a guess,
+    # and train_step rescales the gradients to the real count after the backward. None means that
+    # the first step has not started, and its first micro-batch gives the guess.
     expected_count: object = None
-    # This step's records. The checkpoint holds them before they are written, so that a run that
-    # resumes from it writes those that a stop or a crash left out.
+    # These are this step's records. A record is written after its step's checkpoint, and the
+    # checkpoint holds the records too. So if a stop or a crash comes between the two, the resumed
+    # run writes them from the checkpoint.
     records: list = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_dict(cls, saved):
         progress = cls(**saved)
-        progress.epoch_totals = Totals(**saved["epoch_totals"])
-        progress.window_totals = Totals(**saved["window_totals"])
+        progress.epoch_totals = HostSums(**saved["epoch_totals"])
+        progress.window_totals = HostSums(**saved["window_totals"])
         return progress
 
 
 @dataclasses.dataclass
-class Run:
-    """What training holds, made by setup_training() in running order."""
+class TrainState:
+    """Everything that training holds. setup_training() makes it, in running order."""
 
     plan: Plan
     progress: Progress
-    model: nn.Module  # the raw module: what is saved, evaluated and given to report()
-    ddp_model: nn.Module  # DDP's wrapper, for no_sync() (the raw module in a single process)
-    train_model: nn.Module  # what compute_loss gets in training: the DDP model, or its compiled one
-    parts: dict  # every stateful part, by name: what a checkpoint saves and restores
+    raw_model: nn.Module  # We save and evaluate the raw module, and report() gets it.
+    ddp_model: nn.Module  # DDP's wrapper gives no_sync(). A single process has the raw module here.
+    forward_model: nn.Module  # compute_loss trains this: the DDP model, or its compiled one.
+    checkpointed: dict  # A checkpoint saves and restores these stateful parts, by name.
     optimizers: list
     schedulers: list
-    scaler: torch.amp.GradScaler  # fp16's loss scaling (disabled otherwise)
-    autocast: object  # --amp's autocast, or a context that does nothing
+    scaler: torch.amp.GradScaler  # It scales fp16's loss, and it is disabled otherwise.
+    autocast: object  # This is --amp's autocast, or a context that does nothing.
     sampler: DistributedSampler
-    batches: "StepBatches"
+    batch_sampler: "ResumableBatchSampler"
     loader: DataLoader
     eval_loader: DataLoader
-    rank_sums: "RankSums"  # this rank's loss sums, since the last all_reduce_losses()
+    rank_sums: "DeviceSums"  # These are this rank's sums since the last all_reduce_losses().
 
 
-def train(args, ctx):
-    """All ranks run every line together; rank 0 alone prints and writes. Returns the exit code."""
-    run = setup_training(args, ctx)
-    plan, progress = run.plan, run.progress
-    # all ranks: first the records of the checkpoint's step that a stop or a crash left unwritten
-    write_records(progress.records, args, ctx, run)
+def train(args, world):
+    """Train, and return the exit code. All ranks run every line, and only rank 0 writes."""
+    state = setup_training(args, world)
+    plan, progress = state.plan, state.progress
+    # A stop or a crash can leave the checkpoint's records unwritten. All ranks write them first.
+    write_records(progress.records, args, world, state)
     if progress.step >= plan.total_steps and os.path.exists(f"{args.out_dir}/model.pt"):
-        log(  # (a finished run without model.pt goes on to finish(), which writes it)
+        log(  # A finished run without model.pt goes on, and finish() writes the file.
             f"{args.out_dir} holds a finished run ({progress.step} steps): nothing to train. Raise "
             "--epochs or --max-steps to train on, or pass another --out-dir"
         )
         return 0
-    log_header(args, ctx, run)
-    stop = StopAgreement(ctx)
+    log_header(args, world, state)
+    stop = StopAgreement(world)
     speed = Throughput(progress.step, plan.total_steps)
-    while progress.step < plan.total_steps and not stop.agreed:
+    while progress.step < plan.total_steps and not stop.should_stop:
         epoch = progress.step // plan.steps_per_epoch
         epoch_end = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
-        run.sampler.set_epoch(epoch)  # Trap: without it every epoch repeats the first one's shuffle
-        run.batches.skip_steps = progress.step - epoch * plan.steps_per_epoch  # (a resumed epoch)
+        state.sampler.set_epoch(epoch)  # Trap: Without it, every epoch repeats the first shuffle.
+        # A resumed epoch skips the steps that it has already trained.
+        state.batch_sampler.skip_steps = progress.step - epoch * plan.steps_per_epoch
         epoch_started = time.perf_counter()
-        micro_batches = iter(run.loader)  # the DataLoader's: train_step's for takes a step's
-        while progress.step < epoch_end and not stop.agreed:
-            stop.vote()  # all ranks: whether this rank got a stop signal, as the step starts
+        micro_batches = iter(state.loader)  # Each train_step takes its micro-batches from here.
+        while progress.step < epoch_end and not stop.should_stop:
+            stop.send()  # All ranks send whether they got a stop signal.
             step = progress.step + 1
             log_now = args.log_every and step % args.log_every == 0
-            lr, grad_norm = train_step(run, ctx, args, micro_batches, want_norm=log_now)
+            lr, grad_norm = train_step(state, world, args, micro_batches, want_norm=log_now)
             progress.step = step
-            stop.count_votes()  # all ranks: did any rank get one? then all stop after this step
+            stop.collect()  # If any rank got a signal, all ranks stop after this step.
             eval_now = args.eval_every and step % args.eval_every == 0 and step < epoch_end
-            save_now = args.save_every and step % args.save_every == 0
-            save_now = save_now or step == epoch_end or stop.agreed
-            if log_now or eval_now or save_now:  # all ranks: first, the losses since the last time
-                reduced = all_reduce_losses(run, ctx)  # DDP: the loss all_reduce
+            periodic_save = args.save_every and step % args.save_every == 0
+            save_now = periodic_save or step == epoch_end or stop.should_stop
+            # All ranks reduce the loss only here, as a reduction at every step waits for the GPU.
+            if log_now or eval_now or save_now:
+                reduced = all_reduce_losses(state, world)  # DDP: This is the loss all_reduce.
                 progress.epoch_totals.add(reduced)
                 progress.window_totals.add(reduced)
                 speed.items += reduced.count
-            # This step's records. An eval or epoch record gets its evaluation when it is written.
+            # Eval and epoch records get their eval metrics when they are written, after the save.
             progress.records = []
             where = {"step": step, "epoch": epoch + 1}
             if log_now:
-                figures = progress.window_totals.means("train_") | {"lr": lr}
-                figures["grad_norm"] = grad_norm.item()
-                figures |= speed.figures(step)
-                progress.records.append({"kind": "progress"} | where | figures)
-                progress.window_totals = Totals()
-            if eval_now and len(run.eval_loader.dataset):
+                metrics = progress.window_totals.means("train_") | {"lr": lr}
+                metrics["grad_norm"] = grad_norm.item()
+                metrics |= speed.metrics(step)
+                progress.records.append({"kind": "progress"} | where | metrics)
+                progress.window_totals = HostSums()
+            if eval_now and len(state.eval_loader.dataset):
                 progress.records.append({"kind": "eval"} | where)
-            if step == epoch_end:  # the end of an epoch, or of the run
-                figures = epoch_figures(run, ctx, epoch, lr, epoch_started)
-                progress.records.append({"kind": "epoch"} | where | figures)
-                progress.epoch_totals = Totals()
-            # all ranks: the save comes first, so that the grace period after a stop goes to it
+            if step == epoch_end:  # This is the end of an epoch, or of the run.
+                metrics = epoch_metrics(state, world, epoch, lr, epoch_started)
+                progress.records.append({"kind": "epoch"} | where | metrics)
+                progress.epoch_totals = HostSums()
+            # All ranks save first, so that the grace period after a stop signal goes to the save.
             if save_now:
-                save_checkpoint(args, ctx, run)
-            if not stop.agreed or step == plan.total_steps:  # (a stop: the rerun writes them first)
-                write_records(progress.records, args, ctx, run)
-    exit_code = finish(args, ctx, run, stopped=stop.agreed)
-    stop.restore()  # only now: a signal that comes before model.pt is written only gets noted
-    return exit_code
+                save_checkpoint(args, world, state)
+            if not stop.should_stop or step == plan.total_steps:  # A stop's rerun writes them.
+                write_records(progress.records, args, world, state)
+    return finish(args, world, state, stop)
 
 
-def write_records(records, args, ctx, run):
-    """All ranks: the evaluations that eval and epoch records need; then rank 0 writes the records
-    (after the step's checkpoint, so that report() may use the files)."""
+def write_records(records, args, world, state):
+    """All ranks run the evaluations that the eval and epoch records need. Then rank 0 writes the
+    records. This comes after the step's checkpoint, so report() may use the saved files."""
     for record in records:
-        if record["kind"] != "progress" and len(run.eval_loader.dataset):
-            record |= evaluate(run.model, run.eval_loader, ctx, run.autocast)
-        write_record(record, args, ctx, run.model, run.plan.total_steps)
+        if record["kind"] != "progress" and len(state.eval_loader.dataset):
+            record |= evaluate(state.raw_model, state.eval_loader, world, state.autocast)
+        write_record(record, args, world, state.raw_model, state.plan.total_steps)
 
 
-def finish(args, ctx, run, stopped):
-    """The exit code: 75 where a stop signal ended the run early (its checkpoint is saved); else
-    0, once rank 0 has saved the weights. A rerun of a finished run without model.pt writes it
-    from the checkpoint."""
-    if stopped and run.progress.step < run.plan.total_steps:
-        log(f"stopped by a signal at step {run.progress.step}; saved: rerun to resume (exit 75)")
+def finish(args, world, state, stop):
+    """Return the exit code. It is 75 where a stop signal ended the run early, after its checkpoint
+    was saved. Otherwise rank 0 saves the weights in model.pt, and the code is 0. A rerun of a
+    finished run that has no model.pt also writes the file here, from the checkpoint."""
+    if stop.should_stop and state.progress.step < state.plan.total_steps:
+        log(f"stopped by a signal at step {state.progress.step}; saved: rerun to resume (exit 75)")
+        stop.restore()
         return 75
-    if ctx.rank == 0:  # Trap: save the raw module: DDP prefixes "module.", compile "_orig_mod."
-        atomic_save(run.model.state_dict(), f"{args.out_dir}/model.pt")
-    log(f"saved {args.out_dir}/model.pt after {run.progress.step} steps")
+    # Trap: Save the raw module. DDP would add "module." to every key, and compile "_orig_mod.".
+    if world.rank == 0:
+        atomic_save(state.raw_model.state_dict(), f"{args.out_dir}/model.pt")
+    log(f"saved {args.out_dir}/model.pt after {state.progress.step} steps")
+    # The handlers stay until model.pt is written, so a signal before then is only noted.
+    stop.restore()
     return 0
 
 
-def setup_training(args, ctx):
-    """All ranks: the data, the model, its optimizers and their state from the out-dir's last
-    checkpoint (the run resumes), the DataLoaders and the DDP wrap, in running order."""
-    train_set, eval_set, model = build_task(args, ctx)
+def setup_training(args, world):
+    """All ranks build what training needs, in running order, and resume from a checkpoint."""
+    train_set, eval_set, model = build_task(args, world)
     if args.sync_bn:
-        check(ctx.device.type == "cuda", "--sync-bn needs GPUs (SyncBatchNorm runs on CUDA)")
+        check(world.device.type == "cuda", "--sync-bn needs GPUs (SyncBatchNorm runs on CUDA)")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     path, checkpoint = read_checkpoint(args.out_dir)
-    plan = make_plan(args, ctx, len(train_set), path, checkpoint)
+    plan = make_plan(args, world, len(train_set), path, checkpoint)
     optimizers = build_optimizer(args, model)
     optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     schedulers = [build_scheduler(args, opt, plan.total_steps) for opt in optimizers]
-    autocast, amp_dtype = make_autocast(args, ctx.device)
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
-    parts = {"model": [model], "optimizers": optimizers, "schedulers": schedulers}
-    parts["scaler"] = [scaler]
-    expected_count = plan.global_batch if COUNT_UNIT == "samples" else None
-    progress = Progress(expected_count=expected_count)
-    seed_everything(args.seed + 1 + ctx.rank)  # DDP: each rank a random stream of its own (dropout)
+    autocast, amp_dtype = make_autocast(args, world.device)
+    scaler = torch.amp.GradScaler(world.device.type, enabled=amp_dtype == torch.float16)
+    checkpointed = {"model": [model], "optimizers": optimizers, "schedulers": schedulers}
+    checkpointed["scaler"] = [scaler]
+    progress = Progress(expected_count=plan.global_batch if COUNT_UNIT == "samples" else None)
+    # DDP: Each rank gets a random stream of its own, so that dropout differs between the ranks.
+    seed_everything(args.seed + 1 + world.rank)
     if checkpoint:
-        progress = restore_checkpoint(args, parts, path, checkpoint, ctx)
-    # The parts now hold what they need. On GPUs that frees the file's pages before the DataLoader
-    # workers start, while on the CPU a restored optimizer keeps the loaded tensors as its state.
+        progress = restore_checkpoint(args, checkpointed, path, checkpoint, world)
+    # The parts now hold what they need, so we drop the file. On GPUs this frees its pages before
+    # the workers start. On the CPU, a restored optimizer keeps the loaded tensors as its state.
     del checkpoint
-    # DDP: each rank reads its own share of each epoch's shuffle (drop_last: equal shares)
+    # DDP: Each rank reads its own share of each epoch's shuffle. drop_last makes the shares equal.
     sampler = DistributedSampler(
-        train_set, ctx.world_size, ctx.rank, seed=args.seed, drop_last=True
+        train_set, world.world_size, world.rank, seed=args.seed, drop_last=True
     )
-    batches = StepBatches(sampler, args.batch_size, plan)
-    loader = DataLoader(train_set, batch_sampler=batches, **loader_options(args, ctx))
-    eval_loader = make_eval_loader(args, ctx, eval_set)
-    # Trap: the workers start now, once, before any collective: a fork while a gloo or NCCL thread
-    # frees a finished one deadlocks the child on Python before 3.12 (CPython issue 112275)
+    batch_sampler = ResumableBatchSampler(sampler, args.batch_size, plan)
+    loader = DataLoader(train_set, batch_sampler=batch_sampler, **loader_options(args, world))
+    eval_loader = make_eval_loader(args, world, eval_set)
+    # Trap: The workers start now, once, before any collective. On Python before 3.12, a fork while
+    # a gloo or NCCL thread frees a finished collective can deadlock the child (CPython #112275).
     start_workers(loader)
     start_workers(eval_loader)
-    check_same_start(progress.step, ctx)
+    check_same_start(progress.step, world)
     ddp_model = model
-    if ctx.world_size > 1:
-        # DDP: the wrap: it broadcasts rank 0's weights, then averages the gradients in its buckets
+    if world.world_size > 1:
+        # DDP: The wrap broadcasts rank 0's weights. Then it averages the gradients in buckets.
         ddp_model = DDP(
             model,
             find_unused_parameters=args.find_unused_parameters,
             gradient_as_bucket_view=True,
         )
-    train_model = torch.compile(ddp_model) if args.compile else ddp_model
-    rank_sums = RankSums(ctx.device, progress.step)
-    if ctx.rank == 0:  # (after every check: a mistake writes nothing)
+    forward_model = torch.compile(ddp_model) if args.compile else ddp_model
+    if world.rank == 0:  # Rank 0 writes only now, after every check, so a mistake writes nothing.
         os.makedirs(args.out_dir, exist_ok=True)
-        written = drop_records_after(progress.step, args.out_dir)  # (no record twice)
+        written = drop_records_after(progress.step, args.out_dir)  # No record is written twice.
         progress.records = [r for r in progress.records if r["kind"] not in written]
-    if ctx.world_size > 1:  # all ranks: rank 0's list, as every rank evaluates for them
+    # All ranks take rank 0's list of records, since every rank evaluates for them.
+    if world.world_size > 1:
         unwritten = [progress.records]
-        dist.broadcast_object_list(unwritten, src=0, group=ctx.cpu_group)
+        dist.broadcast_object_list(unwritten, src=0, group=world.cpu_group)
         progress.records = unwritten[0]
-    return Run(
-        plan, progress, model, ddp_model, train_model, parts, optimizers, schedulers, scaler,
-        autocast, sampler, batches, loader, eval_loader, rank_sums,
+    return TrainState(
+        plan=plan, progress=progress, raw_model=model, ddp_model=ddp_model,
+        forward_model=forward_model, checkpointed=checkpointed, optimizers=optimizers,
+        schedulers=schedulers, scaler=scaler, autocast=autocast, sampler=sampler,
+        batch_sampler=batch_sampler, loader=loader, eval_loader=eval_loader,
+        rank_sums=DeviceSums(world.device, progress.step),
     )  # fmt: skip
 
 
-def build_task(args, ctx):
-    """All ranks: (train_set, eval_set, model), the same on every rank and world size."""
-    seed_everything(args.seed)  # first: a random split in build_datasets agrees across ranks
+def build_task(args, world):
+    """Return (train_set, eval_set, model). They are the same on every rank and world size."""
+    seed_everything(args.seed)  # This comes first, so a random split agrees across the ranks.
     train_set, eval_set = build_datasets(args)
     eval_set = eval_set or []
     check_datasets(train_set, eval_set)
-    seed_everything(args.seed)  # the same initial weights, whatever the world size
-    return train_set, eval_set, build_model(args).to(ctx.device)
+    seed_everything(args.seed)  # This gives the same initial weights on any world size.
+    return train_set, eval_set, build_model(args).to(world.device)
 
 
-def make_plan(args, ctx, train_size, path, checkpoint):
-    # DDP: a step's global batch is per process x world size x accumulation. A run resumed on
-    # another world size keeps its own, with another accumulation (nanoGPT divides its by world).
-    global_batch = args.batch_size * ctx.world_size * args.grad_accum
+def make_plan(args, world, train_size, path, checkpoint):
+    """Return the plan: the global batch, the accumulation and the number of steps."""
+    # DDP: A step's global batch is --batch-size times the world size times the accumulation. A run
+    # that resumes on another world size keeps its global batch and changes its accumulation.
+    # nanoGPT does the same when it divides its accumulation by the world size.
+    global_batch = args.batch_size * world.world_size * args.grad_accum
     if checkpoint and checkpoint["global_batch"] != global_batch:
-        if checkpoint["world_size"] == ctx.world_size:  # the same world: the flags differ
+        if checkpoint["world_size"] == world.world_size:  # Here the flags differ, not the world.
             fail(
-                f"{path} trained with a global batch of {checkpoint['global_batch']}, this run's is "
-                f"{global_batch}: pass the same --batch-size and --grad-accum, or another --out-dir"
+                f"{path} trained with a global batch of {checkpoint['global_batch']}, "
+                f"this run's is {global_batch}: pass the same --batch-size and --grad-accum, "
+                "or another --out-dir"
             )
-        global_batch = checkpoint["global_batch"]  # another world: its accumulation follows
-    grad_accum, rest = divmod(global_batch, args.batch_size * ctx.world_size)
+        global_batch = checkpoint["global_batch"]  # On another world, the accumulation follows.
+    grad_accum, rest = divmod(global_batch, args.batch_size * world.world_size)
     if not grad_accum or rest:
-        per_process = global_batch // ctx.world_size
-        hint = "" if global_batch % ctx.world_size == 0 else ", on a world size that divides it"
+        per_process = global_batch // world.world_size
+        hint = "" if global_batch % world.world_size == 0 else ", on a world size that divides it"
         fail(
-            f"the global batch of {global_batch} is not {ctx.world_size} processes x --batch-size "
-            f"{args.batch_size} x a whole accumulation: pass a --batch-size that divides "
+            f"the global batch of {global_batch} is not {world.world_size} processes x "
+            f"--batch-size {args.batch_size} x a whole accumulation: "
+            "pass a --batch-size that divides "
             f"{per_process}{hint}"
         )
-    # Every step is a full global batch: an epoch leaves out its last, incomplete one (as nanoGPT).
+    # Every step is a full global batch. So an epoch leaves out its last, incomplete batch, as in
+    # nanoGPT.
     steps_per_epoch = train_size // global_batch
     check(
         steps_per_epoch > 0,
@@ -562,113 +581,127 @@ def make_plan(args, ctx, train_size, path, checkpoint):
     return Plan(global_batch, grad_accum, steps_per_epoch, total_steps)
 
 
-def train_step(run, ctx, args, micro_batches, want_norm):
-    """All ranks: one optimizer step over this rank's next --grad-accum micro-batches. Returns the
-    step's learning rate and its gradient norm (a tensor; None unless clipped or logged)."""
-    progress = run.progress
-    rank_items = 0  # this rank's items in this step (samples or tokens)
-    for i, batch in enumerate(itertools.islice(micro_batches, run.plan.grad_accum)):
-        batch = to_device(batch, ctx.device)
-        last = i == run.plan.grad_accum - 1
-        # DDP: all-reduce the gradients only in the backward of the step's last micro-batch
-        with contextlib.nullcontext() if last or ctx.world_size == 1 else run.ddp_model.no_sync():
-            with run.autocast:
-                loss, count, metrics = unpack_loss(compute_loss(run.train_model, batch))
-            run.rank_sums.add(loss, count, metrics)
-            if progress.expected_count is None:  # a token run's first step: guess from this one
-                progress.expected_count = sum_over_ranks(count, ctx) * run.plan.grad_accum
-            # DDP: DDP averages the ranks' gradients: a mean weighs its share of the step's count
-            # (samples: count x world / global batch, 1 / --grad-accum for full micro-batches)
-            weight = count * ctx.world_size / progress.expected_count
-            run.scaler.scale(loss * weight).backward()
+def train_step(state, world, args, micro_batches, want_norm):
+    """All ranks take one optimizer step over this rank's next --grad-accum micro-batches.
+
+    It returns the step's learning rate and its gradient norm. The norm is a tensor, and it is
+    None unless the step clips or logs it."""
+    progress = state.progress
+    rank_items = 0  # This counts this rank's items in this step, samples or tokens.
+    for i, batch in enumerate(itertools.islice(micro_batches, state.plan.grad_accum)):
+        batch = to_device(batch, world.device)
+        # DDP: no_sync skips the gradient all-reduce. Only the last micro-batch's backward runs it.
+        skip_sync = i < state.plan.grad_accum - 1 and world.world_size > 1
+        with state.ddp_model.no_sync() if skip_sync else contextlib.nullcontext():
+            with state.autocast:
+                loss, count, metrics = unpack_loss(compute_loss(state.forward_model, batch))
+            state.rank_sums.add(loss, count, metrics)
+            # In a token run's first step, the first micro-batch gives the guess of the count.
+            if progress.expected_count is None:
+                progress.expected_count = sum_over_ranks(count, world) * state.plan.grad_accum
+            # DDP: DDP averages the gradients over the ranks. So each mean is weighed by its share
+            # of the step's count, times the world size. For full micro-batches of samples, the
+            # weight is 1 / --grad-accum.
+            weight = count * world.world_size / progress.expected_count
+            state.scaler.scale(loss * weight).backward()
         rank_items += count
     if COUNT_UNIT != "samples":
-        # DDP: the step's count over all ranks, then every gradient as if weighed by it
-        real_count = sum_over_ranks(rank_items, ctx)
-        grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+        # DDP: Now we know the step's real count over all ranks. We rescale every gradient so that
+        # it is weighed by the real count, not by the guess.
+        real_count = sum_over_ranks(rank_items, world)
+        grads = [p.grad for p in state.raw_model.parameters() if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, (progress.expected_count / real_count).to(grads[0].dtype))
-        progress.expected_count = real_count  # the next step's guess
+        progress.expected_count = real_count  # This is the next step's guess.
     grad_norm = None
     if args.clip_grad_norm or want_norm:
-        for optimizer in run.optimizers:
-            run.scaler.unscale_(optimizer)  # Trap: clip and log the true gradients, not fp16's
+        for optimizer in state.optimizers:
+            # Trap: Clip and log the true gradients, not the gradients that fp16 scaled up.
+            state.scaler.unscale_(optimizer)
         max_norm = args.clip_grad_norm or math.inf
-        grad_norm = nn.utils.clip_grad_norm_(run.model.parameters(), max_norm)
-    lr = run.optimizers[0].param_groups[0]["lr"]
-    for optimizer, scheduler in zip(run.optimizers, run.schedulers):
-        run.scaler.step(optimizer)
+        grad_norm = nn.utils.clip_grad_norm_(state.raw_model.parameters(), max_norm)
+    lr = state.optimizers[0].param_groups[0]["lr"]
+    for optimizer, scheduler in zip(state.optimizers, state.schedulers):
+        state.scaler.step(optimizer)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    run.scaler.update()
+    state.scaler.update()
     return lr, grad_norm
 
 
-class RankSums:
-    """This rank's sums of the loss and each metric, each mean weighed by its count, and the count:
-    in training since the last all_reduce_losses(), in evaluation since its start. They stay on
-    the device, so that no step waits for the GPU."""
+class DeviceSums:
+    """This rank's sums, kept on the device, so that no step waits for the GPU.
+
+    For the loss and each metric, the sum adds each mean times its count. In training, the sums
+    start again after each all_reduce_losses(). In evaluation, they cover the whole eval set.
+    HostSums holds the same sums after they have been reduced and read to the host."""
 
     def __init__(self, device, since_step):
         self.device = device
-        self.since_step = since_step  # the sums are of the steps after this one
-        self.sums = {}  # name -> a float64 0-dim tensor
-        self.count = 0  # an int, or a tensor where compute_loss counts with one
+        self.since_step = since_step  # The sums cover the steps after this one.
+        self.sums = {}  # Each name maps to a float64 0-dim tensor.
+        self.count = 0  # This is an int, or a tensor where compute_loss counts with one.
 
     def add(self, loss, count, metrics):
-        if not self.sums:  # the first micro-batch since the last reduction: a sum for each figure
-            for name in ("loss", *metrics):
+        means = {"loss": loss, **metrics}
+        for name, mean in means.items():
+            if name not in self.sums:  # The first micro-batch after a reduction makes the sums.
                 self.sums[name] = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.sums["loss"] += loss.detach() * count
-        for name, mean in metrics.items():
             self.sums[name] += (mean.detach() if torch.is_tensor(mean) else mean) * count
         self.count += count
 
     def packed(self):
-        """The sums and the count, in one float64 tensor on the device."""
+        """Return the sums and the count in one float64 tensor on the device."""
         return torch.stack([*self.sums.values(), on_device(self.count, self.device)])
 
+    def to_host(self, packed):
+        """Read packed sums to the host, as HostSums. This is the one read of the device."""
+        values = packed.tolist()
+        return HostSums(dict(zip(self.sums, values[:-1])), values[-1])
 
-def all_reduce_losses(run, ctx):
-    """All ranks: every rank's training sums since the last call, added: the loss all_reduce of the
-    tutorials (SUM: gloo's AVG is unreliable). Returns them as Totals; this rank's start again.
-    A non-finite loss or weight stops every rank here, before any record or checkpoint has it."""
-    rank_sums, step = run.rank_sums, run.progress.step
-    names = list(rank_sums.sums)
+
+def all_reduce_losses(state, world):
+    """All ranks add up their training sums since the last call. This is the tutorials' loss
+    all_reduce. It returns the sums as HostSums, and this rank's sums start again from zero.
+
+    It adds with SUM, because gloo does not support AVG on every torch version. A non-finite loss
+    or weight stops every rank here, before any record or checkpoint holds it."""
+    rank_sums, step = state.rank_sums, state.progress.step
     packed = rank_sums.packed()
-    if ctx.world_size > 1:
-        dist.all_reduce(packed)  # DDP: every rank's sums, added
-    *sums, count = packed.tolist()
-    run.rank_sums = RankSums(ctx.device, step)
+    if world.world_size > 1:
+        dist.all_reduce(packed)  # DDP: Add up every rank's sums.
+    totals = rank_sums.to_host(packed)
+    state.rank_sums = DeviceSums(world.device, step)
     advice = (
         "the run diverged; nothing non-finite was saved. Lower --lr, or pass --clip-grad-norm 1.0"
     )
-    if not math.isfinite(sums[0]):
-        fail(f"the training loss is {sums[0]} at step {step}: {advice}", code=1)
-    if not torch.stack([p.isfinite().all() for p in run.model.parameters()]).all():
+    if not math.isfinite(totals.sums["loss"]):
+        fail(f"the training loss is {totals.sums['loss']} at step {step}: {advice}", code=1)
+    if not torch.stack([p.isfinite().all() for p in state.raw_model.parameters()]).all():
         fail(f"the weights are not finite at step {step} (a non-finite gradient): {advice}", code=1)
-    samples = (step - rank_sums.since_step) * run.plan.global_batch
+    samples = (step - rank_sums.since_step) * state.plan.global_batch
     check(
-        COUNT_UNIT != "samples" or count == samples,
-        f"compute_loss counted {count:g} for {samples} samples, but COUNT_UNIT is samples: "
+        COUNT_UNIT != "samples" or totals.count == samples,
+        f"compute_loss counted {totals.count:g} for {samples} samples, but COUNT_UNIT is samples: "
         'return the sample count, or set COUNT_UNIT to what it counts ("tokens")',
     )
-    return Totals(dict(zip(names, sums)), count)
+    return totals
 
 
-def sum_over_ranks(count, ctx):
-    """A count over all ranks, as a float64 tensor on the device. It is at least 1: a step without
-    a single token trains nothing."""
-    total = on_device(count, ctx.device)
-    if ctx.world_size > 1:
+def sum_over_ranks(count, world):
+    """Return a count summed over all ranks, as a float64 tensor on the device. It is at least 1,
+    because a step without a single token trains nothing and must not divide by zero."""
+    total = on_device(count, world.device)
+    if world.world_size > 1:
         dist.all_reduce(total)
     return total.clamp(min=1)
 
 
 def on_device(number, device):
-    """A count or a sum as a float64 tensor on the device. Trap: torch.as_tensor(an int,
-    device="cuda") copies from pageable memory and makes the step wait for the GPU. A copy from
-    pinned memory is queued on the stream, and the step goes on."""
+    """Return a count or a sum as a float64 tensor on the device.
+
+    Trap: torch.as_tensor(an int, device="cuda") copies from pageable memory, and the step waits
+    for the GPU. A copy from pinned memory is only queued on the stream, and the step goes on."""
     if torch.is_tensor(number) and number.device == device:
         return number.to(torch.float64)
     host = torch.tensor(float(number), dtype=torch.float64)
@@ -677,108 +710,128 @@ def on_device(number, device):
     return host.to(device, non_blocking=True)
 
 
-def epoch_figures(run, ctx, epoch, lr, epoch_started):
-    """An epoch record's training figures: its means, items and seconds."""
-    totals, plan = run.progress.epoch_totals, run.plan
-    steps = run.progress.step - epoch * plan.steps_per_epoch
-    figures = totals.means("train_") | {f"train_{COUNT_UNIT}": totals.count, "lr": lr}
-    figures |= {"train_samples": steps * plan.global_batch, "world_size": ctx.world_size}
-    figures["epoch_s"] = time.perf_counter() - epoch_started
-    return figures
+def epoch_metrics(state, world, epoch, lr, epoch_started):
+    """Return an epoch record's training metrics: its means, its items and its seconds."""
+    totals, plan = state.progress.epoch_totals, state.plan
+    steps = state.progress.step - epoch * plan.steps_per_epoch
+    return {
+        **totals.means("train_"),
+        f"train_{COUNT_UNIT}": totals.count,
+        "lr": lr,
+        "train_samples": steps * plan.global_batch,
+        "world_size": world.world_size,
+        "epoch_s": time.perf_counter() - epoch_started,
+    }
 
 
 @torch.no_grad()
-def evaluate(model, eval_loader, ctx, autocast):
-    """All ranks: the exact means over the eval set, {eval_<name>: mean}, each sample counted once
-    (rank r evaluates samples r, r + world size...: DistributedSampler would pad with repeats).
-    compute_loss gets the raw module, in eval mode: DDP's wrapper could wait for other ranks."""
-    if ctx.world_size > 1:
+def evaluate(model, eval_loader, world, autocast):
+    """All ranks compute the exact means over the eval set, as {eval_<name>: mean}.
+
+    Each sample counts once. Rank r evaluates samples r, r + world size, and so on, because
+    DistributedSampler would pad the shares with repeated samples. compute_loss gets the raw
+    module in eval mode, because DDP's wrapper could wait for the other ranks."""
+    if world.world_size > 1:
+        # DDP: Every rank evaluates the model that rank 0 saves, with rank 0's BatchNorm statistics.
         for buffer in model.buffers():
-            dist.broadcast(buffer, 0)  # DDP: rank 0's BatchNorm statistics: the model rank 0 saves
+            dist.broadcast(buffer, 0)
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
-    rank_sums = RankSums(ctx.device, since_step=0)
+    rank_sums = DeviceSums(world.device, since_step=0)
     for batch in eval_loader:
         with autocast:
-            loss, n, metrics = unpack_loss(compute_loss(model, to_device(batch, ctx.device)))
+            loss, n, metrics = unpack_loss(compute_loss(model, to_device(batch, world.device)))
         rank_sums.add(loss, n, metrics)
-    for module, training in modes:  # Trap: not model.train(): a part frozen in eval mode stays so
+    # Trap: Do not call model.train(). A part that the task froze in eval mode must stay so.
+    for module, training in modes:
         module.train(training)
-    *sums, count = rank_sums.packed().tolist()  # the only read of the device
-    this_rank = Totals(dict(zip(rank_sums.sums, sums)), count)
+    this_rank = rank_sums.to_host(rank_sums.packed())
     per_rank = [this_rank]
-    if ctx.world_size > 1:  # (a rank's share may be empty: it has no names to add)
-        per_rank = [None] * ctx.world_size
-        dist.all_gather_object(per_rank, this_rank, group=ctx.cpu_group)  # DDP: all sums
-    totals = Totals()
+    # A rank's share may be empty, and then its sums have no names. So the ranks gather objects,
+    # not tensors of one shape.
+    if world.world_size > 1:
+        per_rank = [None] * world.world_size
+        dist.all_gather_object(per_rank, this_rank, group=world.cpu_group)  # DDP: Gather all sums.
+    totals = HostSums()
     for rank_totals in per_rank:
         totals.add(rank_totals)
-    figures = totals.means("eval_") | {"eval_samples": len(eval_loader.dataset)}
+    metrics = totals.means("eval_") | {"eval_samples": len(eval_loader.dataset)}
     if COUNT_UNIT != "samples":
-        figures[f"eval_{COUNT_UNIT}"] = totals.count
-    return figures
+        metrics[f"eval_{COUNT_UNIT}"] = totals.count
+    return metrics
 
 
-def evaluate_checkpoint(args, ctx):
-    """--eval-only: the out-dir's checkpoint, evaluated on any world size; its record is printed
-    and given to report() (metrics.jsonl holds the training's)."""
+def evaluate_checkpoint(args, world):
+    """--eval-only evaluates the out-dir's checkpoint on any world size. Its record is printed and
+    given to report(), but not written to metrics.jsonl, which holds the training's records."""
     path, checkpoint = read_checkpoint(args.out_dir)
     check(checkpoint, f"--eval-only: there is no checkpoint in {args.out_dir}: train first")
-    _, eval_set, model = build_task(args, ctx)
+    _, eval_set, model = build_task(args, world)
     check(len(eval_set) > 0, "--eval-only: build_datasets gives no eval set")
     try:
         model.load_state_dict(checkpoint["model"][0])
     except RuntimeError as exc:
         fail(f"{path} is of another model: {one_line(exc)}")
-    eval_loader = make_eval_loader(args, ctx, eval_set)
+    eval_loader = make_eval_loader(args, world, eval_set)
     start_workers(eval_loader)
-    autocast, _ = make_autocast(args, ctx.device)
+    autocast, _ = make_autocast(args, world.device)
     step = checkpoint["progress"]["step"]
-    log(f"{PROG}: evaluating {path} (step {step}) on world size {ctx.world_size}, {ctx.device}")
-    figures = evaluate(model, eval_loader, ctx, autocast)
-    write_record({"kind": "eval", "step": step} | figures, args, ctx, model, step, to_file=False)
+    log(f"{PROG}: evaluating {path} (step {step}) on world size {world.world_size}, {world.device}")
+    metrics = evaluate(model, eval_loader, world, autocast)
+    write_record({"kind": "eval", "step": step} | metrics, args, world, model, step, to_file=False)
     return 0
 
 
-def save_checkpoint(args, ctx, run):
-    """All ranks: every rank's random states gathered; rank 0 writes the checkpoint, keeping the
-    previous one; all wait until it is written."""
+def save_checkpoint(args, world, state):
+    """All ranks gather their random states. Rank 0 writes the checkpoint and keeps the previous
+    one. All ranks wait until it is written."""
     rng_states = [rng_state()]
-    if ctx.world_size > 1:
-        rng_states = [None] * ctx.world_size
-        dist.all_gather_object(rng_states, rng_state(), group=ctx.cpu_group)
-    if ctx.rank == 0:
-        checkpoint = {name: [obj.state_dict() for obj in objs] for name, objs in run.parts.items()}
-        checkpoint["format"] = CHECKPOINT_FORMAT
-        checkpoint["progress"] = dataclasses.asdict(run.progress)  # plain values: weights_only
-        checkpoint["rng"] = rng_states
-        checkpoint["global_batch"] = run.plan.global_batch
-        checkpoint["world_size"] = ctx.world_size
-        checkpoint["args"] = {k: v if type(v) in PLAIN else str(v) for k, v in vars(args).items()}
+    if world.world_size > 1:
+        rng_states = [None] * world.world_size
+        dist.all_gather_object(rng_states, rng_state(), group=world.cpu_group)
+    if world.rank == 0:
+        flags = {}
+        for name, value in vars(args).items():
+            flags[name] = value if type(value) in WEIGHTS_ONLY_TYPES else str(value)
+        checkpoint = {
+            "format": CHECKPOINT_FORMAT,
+            # Plain values let a weights_only torch.load read the progress back.
+            "progress": dataclasses.asdict(state.progress),
+            "rng": rng_states,
+            "global_batch": state.plan.global_batch,
+            "world_size": world.world_size,
+            "args": flags,
+        }
+        for name, objects in state.checkpointed.items():
+            checkpoint[name] = [obj.state_dict() for obj in objects]
         stem = f"{args.out_dir}/checkpoint"
         atomic_save(checkpoint, f"{stem}.pt", previous=f"{stem}.prev.pt")
-    if ctx.world_size > 1:
-        dist.barrier(group=ctx.cpu_group)  # Trap: nobody goes on, or exits, before it is written
+    if world.world_size > 1:
+        # Trap: No rank goes on or exits before the checkpoint is written.
+        dist.barrier(group=world.cpu_group)
 
 
-def restore_checkpoint(args, parts, path, checkpoint, ctx):
-    """Every stateful part as the checkpoint holds it, and this rank's random generators (on
-    another world size, the fresh ones just seeded). Returns the run's progress."""
+def restore_checkpoint(args, checkpointed, path, checkpoint, world):
+    """Load every stateful part from the checkpoint, and this rank's random generators. Return
+    the run's progress.
+
+    On another world size, the ranks keep the generators that were just seeded, because the
+    checkpoint holds the states of other ranks."""
     try:
-        for name, objects in parts.items():
+        for name, objects in checkpointed.items():
             for obj, state in zip(objects, checkpoint[name], strict=True):
                 obj.load_state_dict(state)
     except (RuntimeError, ValueError, KeyError) as exc:
         fail(f"{path} is of another model, optimizer or --amp: {one_line(exc)}. Use theirs")
     saved_by = len(checkpoint["rng"])
-    if saved_by == ctx.world_size:
-        set_rng_state(checkpoint["rng"][ctx.rank])
+    if saved_by == world.world_size:
+        set_rng_state(checkpoint["rng"][world.rank])
     progress = Progress.from_dict(checkpoint["progress"])
     log(f"resumed from {path} at step {progress.step}, saved by {saved_by} process(es)")
     changed = [
         f"--{name.replace('_', '-')} {value} (it had {checkpoint['args'][name]})"
         for name, value in vars(args).items()
-        if name not in NOT_COMPARED and checkpoint["args"].get(name, value) != value
+        if name not in FREE_AT_RESUME and checkpoint["args"].get(name, value) != value
     ]
     if changed:
         log(
@@ -790,16 +843,18 @@ def restore_checkpoint(args, parts, path, checkpoint, ctx):
 
 
 def drop_records_after(step, out_dir):
-    """Rank 0, at a resume: metrics.jsonl without the records past the checkpoint's step (written
-    before a crash): the resumed run writes them again, once. Returns the kinds of the records
-    that the file holds for that step."""
+    """At a resume, rank 0 removes the records past the checkpoint's step from metrics.jsonl.
+
+    A crash can leave such records behind, and the resumed run writes them again, so each record
+    stays in the file once. It returns the kinds of the records that the file holds for the
+    checkpoint's step."""
     path = f"{out_dir}/metrics.jsonl"
     if not os.path.exists(path):
         return set()
     kept = []
     with open(path) as f:
         for line in f:
-            with contextlib.suppress(ValueError):  # (a line torn by the crash)
+            with contextlib.suppress(ValueError):  # A crash can tear the last line.
                 if json.loads(line)["step"] <= step:
                     kept.append(line)
     with open(f"{path}.tmp", "w") as f:
@@ -809,33 +864,34 @@ def drop_records_after(step, out_dir):
 
 
 class StopAgreement:
-    """A stop signal on any rank (preemption: SIGTERM, SIGUSR1) stops every rank after one step.
+    """A stop signal on any rank stops every rank after the same step. Preemption sends SIGTERM or
+    SIGUSR1.
 
-    Trap: the handler only notes the signal: a collective inside a handler deadlocks. Each step,
-    every rank's note rides an asynchronous all-reduce over gloo, sent at the step's start and read
-    at its end: it costs the step no wait."""
+    Trap: The handler only notes the signal, because a collective inside a handler deadlocks. In
+    each step, every rank sends its note in an asynchronous all-reduce over gloo. The rank sends it
+    at the step's start and reads the result at the step's end, so the step does not wait for it."""
 
-    def __init__(self, ctx):
-        self.ctx = ctx
-        self.signals = []  # the stop signals this process got
-        self.agreed = False  # True: some rank got one; every rank stops after this step
+    def __init__(self, world):
+        self.world = world
+        self.signals = []  # These are the stop signals that this process got.
+        self.should_stop = False  # True means that some rank got one, and every rank stops now.
         self.flag, self.reduction = None, None
         self.previous_handlers = {sig: signal.signal(sig, self.note) for sig in STOP_SIGNALS}
 
     def note(self, signum, frame):
         self.signals.append(signum)
 
-    def vote(self):
-        if self.ctx.world_size > 1:
+    def send(self):
+        if self.world.world_size > 1:
             self.flag = torch.tensor(len(self.signals))
-            self.reduction = dist.all_reduce(self.flag, group=self.ctx.cpu_group, async_op=True)
+            self.reduction = dist.all_reduce(self.flag, group=self.world.cpu_group, async_op=True)
 
-    def count_votes(self):
-        if self.ctx.world_size > 1:
+    def collect(self):
+        if self.world.world_size > 1:
             self.reduction.wait()
-            self.agreed = self.flag.item() > 0
+            self.should_stop = self.flag.item() > 0
         else:
-            self.agreed = len(self.signals) > 0
+            self.should_stop = len(self.signals) > 0
 
     def restore(self):
         for sig, handler in self.previous_handlers.items():
@@ -843,22 +899,23 @@ class StopAgreement:
 
 
 class Throughput:
-    """Items trained a second since this process started, and the seconds left."""
+    """The items trained per second since this process started, and the seconds left."""
 
     def __init__(self, first_step, total_steps):
         self.first_step, self.total_steps = first_step, total_steps
         self.started = time.perf_counter()
-        self.items = 0.0  # over all ranks
+        self.items = 0.0  # This counts the items over all ranks.
 
-    def figures(self, step):
+    def metrics(self, step):
         seconds = time.perf_counter() - self.started
         eta_s = seconds / (step - self.first_step) * (self.total_steps - step)
         return {f"{COUNT_UNIT}_per_s": self.items / seconds, "eta_s": eta_s}
 
 
-def write_record(record, args, ctx, model, total_steps, to_file=True):
-    """Rank 0: a record (progress, eval, epoch) to the console, metrics.jsonl and report()."""
-    if ctx.rank != 0:
+def write_record(record, args, world, model, total_steps, to_file=True):
+    """Rank 0 writes a record to the console, to metrics.jsonl and to report(). A record is of the
+    kind progress, eval or epoch."""
+    if world.rank != 0:
         return
     shown = [
         f"{name} {value:.6g}" if isinstance(value, float) else f"{name} {value}"
@@ -872,28 +929,27 @@ def write_record(record, args, ctx, model, total_steps, to_file=True):
     report(record, args, model)
 
 
-def log_header(args, ctx, run):
-    """Rank 0: what this run is, in three lines."""
-    plan, train_size = run.plan, len(run.sampler.dataset)
-    backend = dist.get_backend() if ctx.world_size > 1 else "no process group"
+def log_header(args, world, state):
+    """Rank 0 says what this run is, in three lines."""
+    plan, train_size = state.plan, len(state.sampler.dataset)
+    backend = dist.get_backend() if world.world_size > 1 else "no process group"
     threads = torch.get_num_threads()
-    log(
-        f"{PROG}: world size {ctx.world_size}, {backend}, {ctx.device}, {threads} thread(s)/process,"
-    )
-    log(
-        f"torch {torch.__version__}; files in {args.out_dir}: checkpoint.pt, metrics.jsonl, model.pt"
-    )
     left_out = train_size - plan.steps_per_epoch * plan.global_batch
     log(
-        f"global batch {plan.global_batch} = {args.batch_size}/process x {ctx.world_size} x "
+        f"{PROG}: world size {world.world_size}, {backend}, {world.device}, "
+        f"{threads} thread(s)/process,\n"
+        f"torch {torch.__version__}; files in {args.out_dir}: "
+        "checkpoint.pt, metrics.jsonl, model.pt\n"
+        f"global batch {plan.global_batch} = {args.batch_size}/process x {world.world_size} x "
         f"{plan.grad_accum} accum, {plan.steps_per_epoch} steps/epoch (each leaves out {left_out} "
-        f"of its {train_size:,} samples), {len(run.eval_loader.dataset):,} eval samples"
+        f"of its {train_size:,} samples), {len(state.eval_loader.dataset):,} eval samples"
     )
 
 
 # ====== 4. Helpers ===============================================================================
 
-# The script's flags: --name, its default (and so its type), what it does. TASK_FLAGS add yours.
+# These are the script's flags. Each entry gives the name, the default and the help text, and the
+# default sets the type. TASK_FLAGS in section 1 adds your task's flags to these.
 FLAGS = [
     ("epochs", 3, "passes over the training set"),
     ("max-steps", 0, "train exactly N optimizer steps (0: --epochs)"),
@@ -917,15 +973,20 @@ FLAGS = [
     ("timeout", 1800.0, "seconds to wait for a peer before failing"),
     ("spawn", 0, "start N local processes, as torchrun --standalone would"),
 ]
-AT_LEAST_ONE = ("epochs", "batch-size", "grad-accum")  # the script's other numbers: 0
-RESERVED_METRICS = {"loss", "samples", "tokens"}  # the script's own: train_loss, eval_samples...
-CHECKPOINT_FORMAT = 2  # 1: the checkpoints of ddp_train.py before its redesign
-NOT_COMPARED = ("out_dir", "eval_only", "spawn", "local_rank", "timeout")  # at a resume
-PLAIN = (int, float, str, bool, type(None))  # what a weights_only torch.load reads back
+# These flags must be at least 1. The script's other numbers must be at least 0.
+POSITIVE_FLAGS = ("epochs", "batch-size", "grad-accum")
+# The script logs these names itself, as train_loss, eval_samples and so on.
+RESERVED_METRICS = {"loss", "samples", "tokens"}
+# Format 1 is the format of the checkpoints that ddp_train.py wrote before its redesign.
+CHECKPOINT_FORMAT = 2
+# A resume does not compare these flags with the checkpoint's, since they may change freely.
+FREE_AT_RESUME = ("out_dir", "eval_only", "spawn", "local_rank", "timeout")
+# A weights_only torch.load reads back values of these types. Other flags are saved as str.
+WEIGHTS_ONLY_TYPES = (int, float, str, bool, type(None))
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, whose errors are one line (not its usage text) and a non-zero exit."""
+    """An argparse parser whose errors are one line and a non-zero exit, not the usage text."""
 
     def error(self, message):
         fail(f"{message} (see --help)")
@@ -936,17 +997,18 @@ def parse_args(argv=None):
         allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     for name, default, help_text in FLAGS + TASK_FLAGS:
-        if isinstance(default, bool):  # a switch: --name and --no-name
+        if isinstance(default, bool):  # A switch has --name and --no-name.
             action = argparse.BooleanOptionalAction
             parser.add_argument(f"--{name}", action=action, default=default, help=help_text)
         else:
             parser.add_argument(f"--{name}", type=type(default), default=default, help=help_text)
-    # the legacy `python -m torch.distributed.launch` passes --local-rank=N (older torch: _rank)
+    # The legacy `python -m torch.distributed.launch` passes --local-rank=N. Older torch passes
+    # --local_rank=N.
     parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name, _, _ in FLAGS:
         value = getattr(args, name.replace("-", "_"))
-        least = 1 if name in AT_LEAST_ONE else 0
+        least = 1 if name in POSITIVE_FLAGS else 0
         if type(value) in (int, float) and value < least:
             fail(f"--{name} is {value}: it is at least {least}")
     check(args.amp in ("off", "bf16", "fp16"), f"--amp is off, bf16 or fp16, not {args.amp}")
@@ -954,20 +1016,28 @@ def parse_args(argv=None):
 
 
 def spawn(processes, argv):
-    """--spawn N: N processes of this script on this machine, as torchrun --standalone starts them.
-    This process hosts their store on a free port and passes the stop signals on to them. It
-    returns 0, 75 where they stopped and saved, or the exit code of the first that failed."""
+    """--spawn N starts N processes of this script on this machine, as torchrun --standalone does.
+
+    This process hosts their store on a free port, and it passes the stop signals on to them. It
+    returns 0, or 75 where they stopped and saved, or the exit code of the first that failed."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    main_spec = sys.modules["__main__"].__spec__  # `python -m pkg.train`: that module again
+    main_spec = sys.modules["__main__"].__spec__  # `python -m pkg.train` runs that module again.
     script = ["-m", main_spec.name] if main_spec else [sys.argv[0]]
     command = [sys.executable, *script, *(argv or sys.argv[1:])]
-    env = os.environ | {"WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes)}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
-    env |= {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
-    env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it: the processes share the cores
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(processes),
+        "LOCAL_WORLD_SIZE": str(processes),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets this too, as the processes share cores.
     workers = []
 
-    def pass_on(signum, frame):  # a terminal's Ctrl-C reaches them too, but a kill only this one
+    # A Ctrl-C in a terminal reaches the workers too, but a kill reaches only this process.
+    def pass_on(signum, frame):
         for worker in workers:
             worker.send_signal(signum)
 
@@ -982,17 +1052,50 @@ def spawn(processes, argv):
     return failed[0] if failed else 0
 
 
+def round_store(timeout):
+    """Return a store for this round of workers alone, or None where torchrun does not share its
+    store. torchrun 2.5 and later shares one store across the rounds of a job.
+
+    Trap: torchrun's store outlives a round of workers. A new round starts at a restart, or when a
+    node joins or leaves. It would find the old round's keys in the shared store and wait for
+    workers that are gone (pytorch/pytorch#135712). So rank 0 serves a new store for each round,
+    and it writes that store's port into torchrun's store. The other ranks read the port there and
+    try it until it answers. The port of an old round refuses the connection, because the rank 0
+    that served it has exited."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host = env["MASTER_ADDR"]  # This is rank 0's node, which also serves torchrun's store.
+    shared = dist.TCPStore(host, int(env["MASTER_PORT"]), timeout=timeout)
+    if env["RANK"] == "0":
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        shared.set("ddp_train_round_store", str(store.port))
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        port = int(shared.get("ddp_train_round_store"))
+        try:
+            socket.create_connection((host, port), timeout=10).close()
+            return dist.TCPStore(host, port, timeout=timeout)
+        except ConnectionRefusedError:  # This port is an old round's, whose rank 0 has exited.
+            time.sleep(0.1)
+    raise TimeoutError(f"rank 0 of this round served no store within {timeout}")
+
+
 def torchrun_variables_from_slurm(env):
-    """A bare `srun python ddp_train.py` of several tasks: torchrun's variables from SLURM's (the
-    rank, the world, the local rank; the step's first node; a port of the job step's own, by
-    run_multi_node.sh's rule). Anywhere else: none."""
+    """Translate SLURM's variables into torchrun's, for a bare `srun python ddp_train.py`.
+
+    With several tasks, this gives the rank, the world size and the local rank. The first node of
+    the job step serves the rendezvous, on a port of the step's own, by run_multi_node.sh's rule.
+    Outside SLURM, or with one task, it returns no variables."""
     if int(env.get("SLURM_STEP_NUM_TASKS", 1)) <= 1:
         return {}
     variables = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_STEP_NUM_TASKS"]}
     variables["LOCAL_RANK"] = env["SLURM_LOCALID"]
     variables["MASTER_ADDR"] = env.get("MASTER_ADDR") or first_host(env["SLURM_STEP_NODELIST"])
-    # 61000-65499: above Linux's ephemeral ports; two jobs, or two steps of one job, on a node get
-    # two ports; a requeued job moves to another (the last run's processes may still hold theirs)
+    # The port lies in 61000 to 65499, above Linux's ephemeral ports. The formula only spreads the
+    # jobs over that range. The job id, the step id and the requeue count each move the port, so
+    # two jobs on one node get two ports, and a requeued job does not wait for its old port.
     ids = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT")
     job, step, requeues = (int(env.get(name, 0)) for name in ids)
     port = 61000 + (job * 11 + step + 2221 * requeues) % 4500
@@ -1001,7 +1104,7 @@ def torchrun_variables_from_slurm(env):
 
 
 def first_host(nodelist):
-    """The first host of a SLURM node list: "gpu[07-09,12]-ib,cpu1" -> "gpu07-ib"."""
+    """Return the first host of a SLURM node list. "gpu[07-09,12]-ib,cpu1" gives "gpu07-ib"."""
     first_entry = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist).group()
     return re.sub(r"\[(\d+)[^\]]*\]", r"\1", first_entry)
 
@@ -1016,23 +1119,28 @@ def check_datasets(train_set, eval_set):
         )
 
 
-def check_same_start(step, ctx):
-    if ctx.world_size > 1:  # Trap: a checkpoint that only some nodes see: they would train apart
-        starts = [None] * ctx.world_size
-        dist.all_gather_object(starts, step, group=ctx.cpu_group)
+def check_same_start(step, world):
+    # Trap: If only some nodes see the checkpoint, the ranks would start at different steps and
+    # train apart. So all ranks compare their starting step.
+    if world.world_size > 1:
+        starts = [None] * world.world_size
+        dist.all_gather_object(starts, step, group=world.cpu_group)
         check(len(set(starts)) == 1, f"the ranks start at steps {starts}: a shared --out-dir")
 
 
-class StepBatches:
-    """The training DataLoader's batch_sampler: this rank's micro-batches of an epoch. Step s of
-    the epoch trains the samples at [s, s + 1) x global batch of its shuffle: this rank's share of
-    them is the same stretch of its DistributedSampler share, in micro-batches of --batch-size."""
+class ResumableBatchSampler:
+    """The training DataLoader's batch_sampler. It gives this rank's micro-batches of an epoch.
+
+    Step s of an epoch trains the stretch of the shuffle from s times the global batch to s + 1
+    times the global batch. This rank's share of that stretch is the same stretch of its own
+    DistributedSampler share. It is cut into micro-batches of --batch-size. A resumed epoch sets
+    skip_steps, and then the first micro-batch is the one that the run stopped before."""
 
     def __init__(self, sampler, batch_size, plan):
         self.sampler, self.batch_size = sampler, batch_size
-        self.per_step = plan.grad_accum * batch_size  # this rank's samples in a step
+        self.per_step = plan.grad_accum * batch_size  # This counts this rank's samples in a step.
         self.steps_per_epoch = plan.steps_per_epoch
-        self.skip_steps = 0  # a resumed epoch leaves out the steps it trained
+        self.skip_steps = 0  # A resumed epoch leaves out the steps that it has trained.
 
     def __iter__(self):
         share = list(self.sampler)
@@ -1044,35 +1152,38 @@ class StepBatches:
         return (self.steps_per_epoch - self.skip_steps) * self.per_step // self.batch_size
 
 
-def loader_options(args, ctx):
-    """Trap: ignore_signals, else torchrun's SIGTERM kills the workers and the trainer dies before
-    it saves. Trap: a generator of the rank's own, else the workers' seeds are drawn from the
-    global generator (dropout's), the same on every rank."""
+def loader_options(args, world):
+    """Return the DataLoader options that both loaders share.
+
+    Trap: The workers must ignore the stop signals. Otherwise torchrun's SIGTERM kills them, and the
+    trainer dies before it saves. Trap: Each rank needs a generator of its own. Otherwise the
+    workers' seeds come from the global generator, which is the same on every rank."""
     return dict(
         collate_fn=collate_fn,
         num_workers=args.workers,
         worker_init_fn=ignore_signals,
         persistent_workers=args.workers > 0,
-        pin_memory=ctx.device.type == "cuda",
-        generator=torch.Generator().manual_seed(args.seed + 1 + ctx.rank),
+        pin_memory=world.device.type == "cuda",
+        generator=torch.Generator().manual_seed(args.seed + 1 + world.rank),
     )
 
 
-def make_eval_loader(args, ctx, eval_set):
-    # rank r evaluates samples r, r + world size... (no padding: each sample counted once)
-    share = range(ctx.rank, len(eval_set), ctx.world_size)
-    return DataLoader(eval_set, args.batch_size, sampler=share, **loader_options(args, ctx))
+def make_eval_loader(args, world, eval_set):
+    """Return the eval DataLoader. Rank r evaluates samples r, r + world size, and so on. Nothing
+    pads the shares, so each sample counts once."""
+    share = range(world.rank, len(eval_set), world.world_size)
+    return DataLoader(eval_set, args.batch_size, sampler=share, **loader_options(args, world))
 
 
 def start_workers(loader):
-    """A DataLoader's persistent workers, started now (each later iter() reuses them)."""
+    """Start a DataLoader's persistent workers now. Each later iter() reuses them."""
     if loader.num_workers > 0:
         iter(loader)
 
 
 def make_autocast(args, device):
-    """--amp's autocast and its dtype; without it no autocast at all (even a disabled one costs
-    microseconds in every forward)."""
+    """Return --amp's autocast and its dtype. Without --amp, there is no autocast at all, because
+    even a disabled one costs microseconds in every forward."""
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     if amp_dtype is None:
         return contextlib.nullcontext(), None
@@ -1080,8 +1191,10 @@ def make_autocast(args, device):
 
 
 def unpack_loss(output):
-    """compute_loss's result as (loss, count, metrics), its contract checked. A mean of no items
-    (0/0) weighs nothing, so the loss and each metric become 0 there."""
+    """Check the result of compute_loss, and return it as (loss, count, metrics).
+
+    A mean over no items is 0/0, which is NaN. Such a mean weighs nothing, so the loss and each
+    metric become 0 there. Then NaN never reaches a sum."""
     loss, count, metrics = output, None, None
     if isinstance(output, tuple) and len(output) == 2:
         loss, count, metrics = *output, {}
@@ -1106,18 +1219,20 @@ def unpack_loss(output):
 
 
 def to_device(batch, device):
-    """A batch on the device: its tensors, in any nesting of tuples (named ones too), lists and
-    mappings; an object with a .to() of its own (a tokenizer's BatchEncoding) moves itself."""
+    """Move a batch to the device, without waiting for the GPU.
+
+    The batch may nest tuples, namedtuples, lists and mappings of tensors. An object with a .to()
+    of its own, such as a tokenizer's BatchEncoding, moves itself."""
     if torch.is_tensor(batch):
         return batch.to(device, non_blocking=True)
     if hasattr(batch, "to"):
-        try:  # without waiting for the previous step, as the tensors above
+        try:
             return batch.to(device, non_blocking=True)
-        except TypeError:  # (a .to() that takes no non_blocking)
+        except TypeError:  # Some objects have a .to() that takes no non_blocking.
             return batch.to(device)
     if isinstance(batch, Mapping):
         return {key: to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # This is a namedtuple.
         return type(batch)(*(to_device(value, device) for value in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(value, device) for value in batch)
@@ -1125,8 +1240,9 @@ def to_device(batch, device):
 
 
 def ignore_signals(worker_id):
-    """Trap: a DataLoader worker exits on a SIGTERM from anyone but its parent (torchrun, SLURM and
-    terminals signal whole process groups): the stop signals are the trainer's."""
+    """Trap: A DataLoader worker exits on a SIGTERM from anyone but its parent. torchrun, SLURM and
+    terminals signal whole process groups. So the workers ignore the stop signals, and the
+    trainer handles them."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
@@ -1139,7 +1255,7 @@ def seed_everything(seed):
 
 
 def rng_state():
-    """This process's random generators, as values that a weights_only torch.load reads."""
+    """Return this process's random states, as values that a weights_only torch.load reads."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -1159,11 +1275,13 @@ def set_rng_state(state):
 
 
 def read_checkpoint(out_dir):
-    """(path, checkpoint): the out-dir's last checkpoint, or the one before where it is damaged;
-    (None, None) where there is none."""
+    """Return (path, checkpoint) for the out-dir's last checkpoint, or (None, None).
+
+    Where the last checkpoint is damaged, it returns the one before it."""
     stem = f"{out_dir}/checkpoint"
     paths = [f"{stem}.pt", f"{stem}.prev.pt"]
-    if not os.path.exists(paths[0]):  # a crash between atomic_save's renames: the new one is here
+    # A crash between atomic_save's two renames leaves the new checkpoint in the .tmp file.
+    if not os.path.exists(paths[0]):
         paths.insert(1, f"{stem}.pt.tmp")
     problems = []
     for path in paths:
@@ -1175,8 +1293,8 @@ def read_checkpoint(out_dir):
             log(f"{path} was cut short while it was written, so the run starts without it")
             continue
         try:
-            # Trap: map_location, else every rank loads onto the GPU that saved it. mmap lets the
-            # ranks of a node share the file's pages instead of each holding a copy.
+            # Trap: Without map_location, every rank loads onto the GPU that saved the file. mmap
+            # lets the ranks of a node share the file's pages instead of each holding a copy.
             checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:
             problems.append(f"{path} is unreadable ({one_line(exc)})")
@@ -1201,9 +1319,10 @@ def read_checkpoint(out_dir):
 
 
 def atomic_save(obj, path, previous=None):
-    """Trap: a crash in the middle of a write must not cost the last good file. Write a temp file,
-    flush it to the disk, then rename it (keeping the file it replaces as `previous`)."""
-    # Trap: a new file, not the old one cut to zero: a run that resumed from it maps its pages
+    """Trap: A crash in the middle of a write must not cost the last good file. So we write a temp
+    file, flush it to the disk and then rename it. The file that it replaces becomes `previous`."""
+    # Trap: Write a new file, and do not cut the old one to zero. A run that resumed from the old
+    # file still maps its pages.
     with contextlib.suppress(FileNotFoundError):
         os.remove(f"{path}.tmp")
     with open(f"{path}.tmp", "wb") as f:
@@ -1216,11 +1335,11 @@ def atomic_save(obj, path, previous=None):
 
 
 def log(*args, **kwargs):
-    if os.environ.get("RANK", "0") != "0":  # DDP: one log: rank 0's
+    if os.environ.get("RANK", "0") != "0":  # DDP: Only rank 0 prints.
         return
     try:
         print(*args, **kwargs, flush=True)
-    except BrokenPipeError:  # Trap: a closed standard output (| head) must not stop the run
+    except BrokenPipeError:  # Trap: A closed standard output, as in | head, must not stop us.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
@@ -1230,7 +1349,8 @@ def check(ok, message):
 
 
 def fail(message, code=2, every_rank=False):
-    """Stop with one line, no traceback: from rank 0 (all ranks have the same to say), or each."""
+    """Stop with one line and no traceback. Only rank 0 prints it, since all ranks have the same to
+    say, unless every_rank asks each rank to print its own."""
     if every_rank or os.environ.get("RANK", "0") == "0":
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)

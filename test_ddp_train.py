@@ -1041,9 +1041,10 @@ def test_make_help_lists_every_target_once():
     assert sorted(targets) == sorted(want), text
 
 
-# Against regrowth, not a target: the ceiling that the issue "Nothing lost, nothing flaky" set for its
-# fixes (7,200 code tokens and 1,300 lines); the longest function fits a screen.
-CEILING = {"tokens": 7200, "lines": 1300, "function lines": 60}
+# This guards against regrowth, and it is not a target. The code tokens stay at most at what the
+# file had after the issue "Nothing lost, nothing flaky" (7,115). Comments written as plain
+# sentences may add lines, up to 10% over that issue's 1,244. The longest function fits a screen.
+CEILING = {"tokens": 7115, "lines": 1368, "function lines": 60}
 
 
 def test_the_script_stays_within_its_budget():
