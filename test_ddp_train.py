@@ -1,5 +1,6 @@
 """Tests of ddp_train.py: the real script in real processes (gloo on the CPU), one test per guarantee.
-The harness (launches, the user's project, two hosts, a SLURM cluster) is in conftest.py."""
+The launch helpers and the copy check that make check runs are in check_copy.py. The fixtures (the
+user's project, two hosts, a SLURM cluster, the README's blocks) are in conftest.py."""
 
 from __future__ import annotations
 
@@ -26,27 +27,24 @@ import torch
 import torch.nn.functional as F
 
 import ddp_train
-from conftest import (
+from check_copy import (
     PY,
     ROOT,
-    RUN_MULTI,
     SCRIPT,
     PEER_TIMEOUT,
     Launch,
     Result,
-    assert_same_weights,
     bindable,
     check_copy,
     clean_env,
     free_port,
-    fresh_checkout,
     processes,
     python_cmd,
-    readme_blocks,
     reserve_slots,
     run,
     torchrun_cmd,
 )
+from conftest import RUN_MULTI, assert_same_weights, fresh_checkout, readme_blocks
 
 # ddp_train's own task functions, kept before an example that replaces them is imported
 build_datasets, build_model = ddp_train.build_datasets, ddp_train.build_model
