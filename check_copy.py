@@ -2,8 +2,12 @@
 
 The check runs the guarantees of ddp_train.py on a user's own script, with their flags, in real
 processes on the CPU. It prints one line per guarantee with the figure it measured. A line says pass,
-FAIL with the likely cause, or n/a where the task differs by design.
+FAIL with the likely cause, or n/a where the task differs by design. The command exits 0 when no
+guarantee fails, and 1 when one fails or the script is missing.
 
+    python check_copy.py SCRIPT [--args="--batch-size 8"] [--checks=2,3] [--work=DIR]
+
+The launches write into DIR, which is out/check/NAME unless given, and each run replaces the last.
 Every launch runs in a session of its own with a hard timeout, and its process group is killed at the
 end. Inside the test suite, where DDP_TEST_SLOTS names the suite's CPU slots, the check runs its
 launches one at a time. The tests import Launch, run and the slots from here, and conftest.py holds
@@ -11,6 +15,7 @@ their fixtures."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import fcntl
@@ -18,6 +23,8 @@ import json
 import os
 import re
 import resource
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -1338,3 +1345,60 @@ if __name__ == "__main__":
         torch.save = save
     sys.exit(getattr(user, "main", target.main)())  # as `python SCRIPT` runs it
 '''
+
+# ---------------------------------------------------------------------------
+# The command line, which make check runs with SCRIPT, ARGS and CHECKS
+# ---------------------------------------------------------------------------
+
+
+def guarantee_numbers(text: str) -> list[int]:
+    """The numbers of --checks (2,3), each one of the guarantees. An empty list stands for all."""
+    numbers = [n.strip() for n in text.split(",") if n.strip()]
+    wrong = [n for n in numbers if not n.isdigit() or int(n) not in GUARANTEES]
+    if wrong:
+        raise argparse.ArgumentTypeError(f"{wrong[0]} is no guarantee (1 to {len(GUARANTEES)})")
+    return [int(n) for n in numbers]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "script", help="your training script (a copy of ddp_train.py, or one that imports it)"
+    )
+    parser.add_argument(
+        "--args", default="", help='its flags as one string, as --args="--batch-size 8"'
+    )
+    parser.add_argument(
+        "--checks", type=guarantee_numbers, default=[], help="only these guarantees, as 2,3"
+    )
+    parser.add_argument(
+        "--work", help="the folder of the launches, made anew (default out/check/NAME)"
+    )
+    options = parser.parse_args(argv)
+    script = options.script
+    if not script:  # (make check SCRIPT=)
+        print('make check SCRIPT=mine.py ARGS="...": the guarantees, on your copy')
+        return 0
+    if not Path(script).is_file():
+        print(f"make check: there is no {script}: SCRIPT=your script, as make train takes it")
+        return 1
+    work = Path(options.work or Path("out/check") / Path(script).stem).resolve()
+    if work in (Path.cwd(), *Path.cwd().parents) or work in Path(script).resolve().parents:
+        print(f"make check: {work} holds your files, and the check would replace it")
+        return 2
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    share_slots()
+    try:
+        verdicts = check_copy(script, shlex.split(options.args), work, options.checks)
+    except Exception as exc:
+        print(f"make check: the check itself failed: {exc!r}")
+        return 1
+    return 1 if any(v.status == "FAIL" for v in verdicts) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

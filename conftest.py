@@ -656,9 +656,3 @@ def fresh_checkout(repo: Path) -> Path:
     (repo / ".venv/bin/python").chmod(0o755)
     (repo / ".venv/.ready").touch()
     return repo
-
-
-def pytest_addoption(parser):
-    parser.addoption("--copy", help="make check: the script to check (yours)")
-    parser.addoption("--copy-args", default="", help="make check: its flags, as one string")
-    parser.addoption("--copy-checks", default="", help="make check: only these, as 2,3")
