@@ -85,13 +85,12 @@ test: setup  ## the whole test suite: real processes, two tests at a time (pytes
 	$(PY) -m pytest -q --durations=15 $$($(PY) -c "import xdist" 2>/dev/null && echo --numprocesses=2) test_ddp_train.py
 
 # make check: the guarantees, on your script (SCRIPT) with your flags (ARGS), in real processes on the
-# CPU: one line each. CHECKS=2,3 runs only those. Its launches stay in out/check/SCRIPT until the next.
+# CPU: one line each. CHECKS=2,3 runs only those. check_copy.py runs them, and its launches stay in
+# out/check/SCRIPT until the next check replaces them.
 CHECKS ?=
 check: setup  ## the guarantees on your copy: make check SCRIPT=mine.py ARGS="--batch-size 8"
-	@mkdir -p out/check
-	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -qq -s -o addopts= --tb=no -rE -p no:cacheprovider \
-	  --basetemp=out/check/$(basename $(notdir $(SCRIPT))) test_ddp_train.py::test_your_copy \
-	  --copy="$(SCRIPT)" --copy-args="$(ARGS)" --copy-checks="$(CHECKS)"
+	CUDA_VISIBLE_DEVICES= $(PY) check_copy.py "$(SCRIPT)" --args="$(ARGS)" --checks="$(CHECKS)" \
+	  --work=out/check/$(basename $(notdir $(SCRIPT)))
 
 # PyPI's torch for Linux is a CUDA build (about 3 GB with its packages; it runs on the CPU). An exact version
 # asked for is installed even where a pip constraint file caps torch (PIP_CONSTRAINT).

@@ -1,5 +1,6 @@
 """Tests of ddp_train.py: the real script in real processes (gloo on the CPU), one test per guarantee.
-The harness (launches, the user's project, two hosts, a SLURM cluster) is in conftest.py."""
+The launch helpers and the copy check that make check runs are in check_copy.py. The fixtures (the
+user's project, two hosts, a SLURM cluster, the README's blocks) are in conftest.py."""
 
 from __future__ import annotations
 
@@ -26,27 +27,23 @@ import torch
 import torch.nn.functional as F
 
 import ddp_train
-from conftest import (
+from check_copy import (
     PY,
     ROOT,
-    RUN_MULTI,
     SCRIPT,
     PEER_TIMEOUT,
     Launch,
     Result,
-    assert_same_weights,
     bindable,
-    check_copy,
     clean_env,
     free_port,
-    fresh_checkout,
     processes,
     python_cmd,
-    readme_blocks,
     reserve_slots,
     run,
     torchrun_cmd,
 )
+from conftest import RUN_MULTI, assert_same_weights, fresh_checkout, readme_blocks
 
 # ddp_train's own task functions, kept before an example that replaces them is imported
 build_datasets, build_model = ddp_train.build_datasets, ddp_train.build_model
@@ -1346,25 +1343,6 @@ def test_two_gpus_with_sync_bn_train_like_one_with_their_global_batch(project, t
 # ---------------------------------------------------------------------------
 
 
-def test_your_copy(request, tmp_path):
-    """make check SCRIPT=mine.py ARGS="...": the guarantees on your script, one line each."""
-    script = request.config.getoption("--copy")
-    if not script:
-        pytest.skip('make check SCRIPT=mine.py ARGS="...": the guarantees, on your copy')
-    only = [int(n) for n in request.config.getoption("--copy-checks").split(",") if n.strip()]
-    args = shlex.split(request.config.getoption("--copy-args"))
-    if not Path(script).is_file():  # (make check shows no pytest report: its lines say it all)
-        print(f"make check: there is no {script}: SCRIPT=your script, as make train takes it")
-        pytest.fail("no script")
-    try:
-        verdicts = check_copy(script, args, tmp_path, only)
-    except Exception as exc:
-        print(f"make check: the check itself failed: {exc!r}")
-        raise
-    failed = [v.number for v in verdicts if v.status == "FAIL"]
-    assert not failed, f"guarantees {failed} fail: the lines above say why"
-
-
 # Copies of a task, each as a user would write it: the changes to the default task (or tinylm) and,
 # for a broken one, the guarantees the check must fail with a word its cause must say.
 COPY_HEAD = """import argparse, os, random, sys
@@ -1507,21 +1485,8 @@ def write_copy(directory: Path, name: str, body: str | None) -> Path:
 
 def make_check(tmp_path, script, args=(), checks=()) -> tuple[int, dict, str]:
     """make check's command on a script: its exit code, its lines by guarantee, and its output."""
-    cmd = [
-        PY,
-        "-m",
-        "pytest",
-        "-o",
-        "addopts=",
-        "-s",
-        "-p",
-        "no:terminal",
-        "-p",
-        "no:cacheprovider",
-    ]
-    cmd += [f"--basetemp={tmp_path / 'check'}", "test_ddp_train.py::test_your_copy"]
-    cmd += [f"--copy={script}", f"--copy-args={shlex.join(map(str, args))}"]
-    cmd += [f"--copy-checks={','.join(map(str, checks))}"]
+    cmd = [PY, ROOT / "check_copy.py", script, f"--args={shlex.join(map(str, args))}"]
+    cmd += [f"--checks={','.join(map(str, checks))}", f"--work={tmp_path / 'check'}"]
     with Launch(cmd, tmp_path, "make-check", slots=0) as launch:  # (its launches take theirs)
         code = launch.wait(timeout=300)
     lines = {}
@@ -1576,4 +1541,12 @@ def test_make_check_passes_every_shipped_task(tmp_path, task):
     for name in layers:
         assert re.search(rf"^n/a +2\. .*{name}", launch.stdout, re.M), launch.stdout
     name = Path(task).stem  # the runs, in the project's out/ as make train's
-    assert (repo / "out/check" / name / "test_your_copy0/records/torchrun/run.out").exists()
+    assert (repo / "out/check" / name / "records/torchrun/run.out").exists()
+
+
+def test_make_check_says_in_one_line_that_the_script_is_missing(tmp_path):
+    script = tmp_path / "mine.py"
+    with Launch([PY, ROOT / "check_copy.py", script], tmp_path, "check", slots=0) as launch:
+        assert launch.wait() == 1, launch.stderr
+    said = f"make check: there is no {script}: SCRIPT=your script, as make train takes it\n"
+    assert launch.stdout == said and not launch.stderr, launch.stdout + launch.stderr

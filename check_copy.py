@@ -1,0 +1,1404 @@
+"""The copy check that `make check` runs, and the launch machinery that it shares with the tests.
+
+The check runs the guarantees of ddp_train.py on a user's own script, with their flags, in real
+processes on the CPU. It prints one line per guarantee with the figure it measured. A line says pass,
+FAIL with the likely cause, or n/a where the task differs by design. The command exits 0 when no
+guarantee fails, and 1 when one fails or the script is missing.
+
+    python check_copy.py SCRIPT [--args="--batch-size 8"] [--checks=2,3] [--work=DIR]
+
+The launches write into DIR, which is out/check/NAME unless given, and each run replaces the last.
+Every launch runs in a session of its own with a hard timeout, and its process group is killed at the
+end. Inside the test suite, where DDP_TEST_SLOTS names the suite's CPU slots, the check runs its
+launches one at a time. The tests import Launch, run and the slots from here, and conftest.py holds
+their fixtures."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import re
+import resource
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent
+SCRIPT = str(ROOT / "ddp_train.py")
+PY = sys.executable
+TIMEOUT = 150  # seconds for any one launch: a hang fails fast instead of eating CI
+# A launch that times out gets SIGABRT first, so that Python prints every thread's stack
+# (PYTHONFAULTHANDLER). No core file is written.
+resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+
+# ---------------------------------------------------------------------------
+# The CPU load: process slots that every test process of a session shares through lock files
+# ---------------------------------------------------------------------------
+
+# The slots and the port counter live in a directory that the first pytest process of a session makes
+# and that its xdist workers and the make check runs it starts inherit through this variable.
+SLOTS_ENV = "DDP_TEST_SLOTS"
+INSIDE_A_SUITE = (
+    SLOTS_ENV in os.environ
+)  # True in an xdist worker and in a make check that a test runs
+ALL_SLOTS = 2 * (os.cpu_count() or 1)  # two busy processes per core at most
+PEER_TIMEOUT = 60  # every launch's --timeout: a lost peer ends in the script's own line
+
+
+def share_slots():
+    """Make the directory of the slots and the port counter, unless this process inherits one from
+    the process that started it."""
+    if SLOTS_ENV not in os.environ:
+        os.environ[SLOTS_ENV] = tempfile.mkdtemp(prefix="ddp-test-slots-")
+
+
+class CpuSlots:
+    """A counting semaphore of process slots, made of lock files, which the pytest-xdist workers
+    and the make check runs that the tests start share. A launch takes one slot for each process
+    that it starts. A lock file is freed by the kernel when its holder dies, so a crashed test never
+    keeps a slot."""
+
+    reserved = 0  # the slots that this process holds for a whole test (see reserve_slots)
+
+    def __init__(self, count: int):
+        directory = Path(os.environ[SLOTS_ENV])
+        self.files = []
+        if count == 0 or CpuSlots.reserved:
+            return
+        assert count <= ALL_SLOTS, f"{count} slots asked for; there are {ALL_SLOTS}"
+        # One taker at a time holds the gate until it has all its slots, so a test that needs every
+        # slot is not starved by small launches.
+        with open(directory / "gate", "w") as gate:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            while len(self.files) < count:
+                for i in range(ALL_SLOTS):
+                    if len(self.files) == count:
+                        break
+                    f = open(directory / f"slot{i}", "w")
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        self.files.append(f)
+                    except BlockingIOError:
+                        f.close()
+                if len(self.files) < count:
+                    time.sleep(0.05)
+
+    def release(self):
+        for f in self.files:
+            f.close()
+        self.files = []
+
+
+@contextlib.contextmanager
+def reserve_slots(count=ALL_SLOTS):
+    """Slots for the launches inside the block, taken at once: for a test whose launches run side by
+    side (two of them could otherwise each hold half and wait for the rest), and all of them for a
+    test whose processes time their peers (keep-alives, a restart that waits for a node)."""
+    slots = CpuSlots(count)
+    CpuSlots.reserved = count
+    try:
+        yield
+    finally:
+        CpuSlots.reserved = 0
+        slots.release()
+
+
+def free_port() -> int:
+    """A port that no other test of the session takes and that the kernel never hands out to anyone
+    (it lies below Linux's ephemeral range), so that it cannot be taken between now and its use."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    with open(Path(os.environ[SLOTS_ENV]) / "ports", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        port = int(f.read() or low - 10000)
+        while not bindable(port):
+            port += 1
+        f.seek(0)
+        f.truncate()
+        f.write(str(port + 1))
+    return port
+
+
+# ---------------------------------------------------------------------------
+# Launches run in a session of their own with a hard timeout, and nothing they start outlives them
+# ---------------------------------------------------------------------------
+
+
+def clean_env(**extra) -> dict:
+    """This environment without any launcher's variables, plus `extra` (None: unset). One thread per
+    process: two tests run at a time, and OpenMP threads spinning for a taken core slow a run 10x."""
+    launcher = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_", "PET_")) and k not in launcher
+    }
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(PYTHONFAULTHANDLER="1")  # a SIGABRT prints every thread's Python stack
+    for k, v in extra.items():
+        env.pop(k, None) if v is None else env.__setitem__(k, str(v))
+    return env
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def marked(mark: str) -> list[int]:
+    """The live processes whose DDP_TEST_LAUNCH holds mark: a launch and all it started. A launch
+    inside a launch (make check in a test) adds its own mark to the one it inherits."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            for variable in (proc / "environ").read_bytes().split(b"\0"):
+                name, _, marks = variable.decode(errors="replace").partition("=")
+                if name == "DDP_TEST_LAUNCH" and mark in marks.split():
+                    if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                        pids.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def processes(cmd) -> int:
+    """The processes that a command of the script starts: N under torchrun or --spawn N, else 1."""
+    cmd = [str(c) for c in cmd]
+    for i, arg in enumerate(cmd):
+        m = re.fullmatch(r"--nproc[-_]per[-_]node=(\d+)", arg)
+        if m:
+            return int(m.group(1))
+        if arg == "--spawn":
+            return int(cmd[i + 1])
+    return 1
+
+
+class Result:
+    """What a run left: its exit code, output and out-dir (its records and final weights)."""
+
+    def __init__(self, returncode, stdout, stderr, out_dir, seconds=None):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+        self.out_dir, self.seconds = out_dir, seconds  # seconds: from its start to its exit
+
+    @property
+    def metrics(self) -> list[dict]:
+        text = (self.out_dir / "metrics.jsonl").read_text()
+        return [json.loads(line) for line in text.splitlines()]
+
+    def records(self, kind) -> list[dict]:
+        return [m for m in self.metrics if m["kind"] == kind]
+
+    @property
+    def weights(self) -> dict:
+        return torch.load(self.out_dir / "model.pt", weights_only=True)
+
+    def __repr__(self):
+        return f"exit {self.returncode}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+
+class Launch:
+    """A command in a session of its own, its output in files. On leaving the `with`, everything it
+    started is killed; wait() fails the test if the command hangs, or leaves a process behind. It
+    holds a CPU slot for each process it starts (slots: that number, where the command does not
+    show it), from its start until it is killed."""
+
+    def __init__(self, cmd, log_dir: Path, name="run", env=None, cwd=None, slots=None):
+        self.cmd, self.mark = [str(c) for c in cmd], uuid.uuid4().hex
+        self.out, self.err = log_dir / f"{name}.out", log_dir / f"{name}.err"
+        env = env or clean_env()
+        marks = f"{env.get('DDP_TEST_LAUNCH', '')} {self.mark}".strip()
+        self.slots = CpuSlots(processes(self.cmd) if slots is None else slots)
+        self.started, self.seconds = time.monotonic(), None
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=out,
+                stderr=err,
+                env={**env, "DDP_TEST_LAUNCH": marks},
+                cwd=cwd or ROOT,
+                start_new_session=True,
+            )
+
+    stdout = property(lambda self: self.out.read_text())
+    stderr = property(lambda self: self.err.read_text())
+
+    def wait(self, timeout=TIMEOUT) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is None:
+            self.fail_with_stacks(f"timed out after {timeout}s")
+        self.seconds = time.monotonic() - self.started
+        # a DataLoader worker may take a moment to follow its trainer
+        deadline = time.monotonic() + 10
+        while marked(self.mark) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = marked(self.mark)
+        if left:
+            self.kill()
+            pytest.fail(
+                f"{len(left)} process(es) left behind by {' '.join(self.cmd)}\n{self.stderr}"
+            )
+        return code
+
+    def wait_for(self, predicate, what: str, timeout=TIMEOUT):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if self.proc.poll() is not None:
+                pytest.fail(
+                    f"exited ({self.proc.returncode}) before {what}\n{self.stdout}\n{self.stderr}"
+                )
+            if time.monotonic() > deadline:
+                self.fail_with_stacks(f"no {what} within {timeout}s")
+            time.sleep(0.01)
+
+    def fail_with_stacks(self, why: str):
+        """Fail the test with the stacks of every process of the launch, so that a hang says where
+        it waits: SIGABRT makes each Python process print all its threads (PYTHONFAULTHANDLER)."""
+        for pid in marked(self.mark):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        deadline = time.monotonic() + 5
+        while marked(self.mark) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.kill()
+        pytest.fail(f"{why}: {' '.join(self.cmd)}\n{self.stdout[-3000:]}\n{self.stderr[-12000:]}")
+
+    def kill(self):
+        for pid in marked(self.mark):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+        self.slots.release()
+
+    def result(self, out_dir: Path) -> Result:
+        return Result(self.proc.returncode, self.stdout, self.stderr, out_dir, self.seconds)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+
+
+def run(cmd, tmp_path: Path, out="out", expect=0, env=None, cwd=None, timeout=TIMEOUT) -> Result:
+    """Launch `cmd` with --out-dir tmp_path/out, wait for it, check its exit code (None: any)."""
+    with Launch([*cmd, "--out-dir", tmp_path / out], tmp_path, out, env=env, cwd=cwd) as launch:
+        launch.wait(timeout)
+    result = launch.result(tmp_path / out)
+    assert expect is None or result.returncode == expect, result
+    # the classic gloo abort at exit, of a process group torn down under a live DDP model
+    assert "terminate called" not in result.stderr, result
+    return result
+
+
+def python_cmd(*args, script=SCRIPT):
+    return [PY, script, "--timeout", PEER_TIMEOUT, *args]
+
+
+def torchrun_cmd(nproc, *args, script=SCRIPT, launcher=()):
+    endpoint = ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0"]
+    return [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        *endpoint,
+        *launcher,
+        script,
+        "--timeout",
+        PEER_TIMEOUT,
+        *args,
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Check your copy (make check): the guarantees, on a user's own script, in real processes. The
+# wrapper runs as their script, with the check's pieces installed around its task functions; the
+# launches that several checks compare are made once, two at a time.
+# ---------------------------------------------------------------------------
+
+GUARANTEES = {
+    1: "every launch mode trains; only rank 0 writes",
+    2: "N x B trains the weights of 1 x N*B",
+    3: "the logged loss is the mean over the items",
+    4: "every rank sees the same data",
+    5: "a stop resumes exactly",
+    6: "evaluation counts each item once, on any world size",
+    7: "model.pt loads into build_model()",
+    8: "each rank reads its own share, in a new order each epoch",
+}
+TOLERANCE = 1e-5  # relative: float32 sums in another order
+CHECK_SETS = (  # the check's own flags: the user's ARGS do not move them (their --batch-size is B)
+    "--batch-size", "--grad-accum", "--epochs", "--max-steps", "--out-dir", "--spawn",
+    "--log-every", "--eval-only",
+)  # fmt: skip
+
+
+@dataclasses.dataclass
+class Planned:
+    """A launch of the user's script (through the wrapper), 2 epochs of at most 4 global batches."""
+
+    mode: str  # python, torchrun (2 processes) or spawn (--spawn 2)
+    batch: int  # --batch-size, in B: every launch's global batch is 2B
+    grad_accum: int
+    out_dir: str  # its own, or the one whose checkpoint it reads
+    env: dict  # what the wrapper installs (CHECK_*)
+    eval_only: bool = False
+    after: tuple = ()  # the launches whose files it reads, done before it starts
+
+
+# In the order they start, two at a time. SGD=k: plain SGD at k x --lr in place of the user's
+# optimizer (an adaptive one trains a summed loss almost like a mean); grad_x2: check 2's negative
+# control.
+LAUNCHES = {
+    "python": Planned("python", 2, 1, "python", dict(CHECK_SGD=1, CHECK_DESCRIBE=1)),
+    "torchrun": Planned("torchrun", 1, 1, "torchrun", dict(CHECK_DESCRIBE=1, CHECK_INITIAL=1)),
+    # SIGTERM in step 2, when every rank is in the loop (step 1's all-reduce waited for them)
+    "stopped": Planned("torchrun", 1, 1, "stopped", dict(CHECK_STOP_AT=2)),
+    "spawn": Planned("spawn", 1, 1, "spawn", dict(CHECK_SGD=1)),
+    "accum": Planned("python", 1, 2, "accum", dict(CHECK_SGD=1)),
+    "grad_x2": Planned("python", 2, 1, "grad_x2", dict(CHECK_SGD=2)),
+    "eval_1": Planned("python", 2, 1, "python", {}, eval_only=True, after=("python",)),
+    "resumed": Planned("torchrun", 1, 1, "stopped", {}, after=("stopped",)),  # the same command
+    "eval_2": Planned("torchrun", 1, 1, "python", {}, eval_only=True, after=("python",)),
+    # one process that computes the figures alone: from torchrun's first step, python's weights
+    "probe": Planned("python", 2, 1, "python", {}, after=("python", "torchrun")),
+}
+NEEDS = {  # the launches each check reads
+    1: ("python", "torchrun", "spawn"),
+    2: ("python", "spawn", "accum", "grad_x2", "probe"),
+    3: ("python", "torchrun", "probe"),
+    4: ("python", "torchrun"),
+    5: ("python", "torchrun", "stopped", "resumed"),  # (python: to tell if the data differ)
+    6: ("python", "eval_1", "eval_2"),
+    7: ("probe",),
+    8: ("torchrun",),
+}
+
+
+@dataclasses.dataclass
+class Verdict:
+    number: int
+    status: str  # pass, FAIL, or n/a (the model differs by design, or the check cannot tell)
+    figure: str
+    cause: str = ""
+
+    def __str__(self):
+        line = f"{self.status:<4}  {self.number}. {GUARANTEES[self.number]}: {self.figure}"
+        return f"{line}. Likely cause: {self.cause}" if self.cause else line
+
+
+def user_flags(args: list[str]) -> tuple[list[str], int]:
+    """The user's ARGS without the flags the check sets, and their --batch-size (4 where none)."""
+    kept, batch, i = [], 4, 0
+    while i < len(args):
+        name, has_value, value = args[i].partition("=")
+        if name not in CHECK_SETS:
+            kept.append(args[i])
+        elif name != "--eval-only" and not has_value:  # (its value is the next argument)
+            i += 1
+            value = args[i] if i < len(args) else ""
+        if name == "--batch-size":
+            batch = int(value)
+        i += 1
+    return kept, batch
+
+
+class CopyCheck:
+    """A user's script under check: its launches, and what each left in its records directory
+    (run.out and run.err; the wrapper's reads.RANK, data.RANK, writes.RANK, records.jsonl...)."""
+
+    def __init__(self, script, args: list[str], work: Path):
+        self.script, self.work = Path(script).resolve(), work
+        self.flags, self.b = user_flags(args)
+        workers = re.findall(r"--workers[= ](\d+)", " ".join(args))  # (the last one counts)
+        self.workers = int(workers[-1]) if workers else 0
+        self.g = 2 * self.b  # every launch's global batch: 2 x B, 1 x 2B, 1 x B x 2
+        self.train_items, self.eval_items = 4 * self.g, self.g + 1  # (an uneven eval share)
+        self.wrapper = work / "wrapper" / self.script.name  # the script's name, in its lines
+        self.wrapper.parent.mkdir(parents=True, exist_ok=True)
+        self.wrapper.write_text(CHECK_WRAPPER)
+        self.results, self.seconds, self.failed = {}, {}, {}
+
+    def records(self, name) -> Path:
+        return self.work / "records" / name
+
+    def command(self, planned: Planned) -> list:
+        flags = ["--workers", 0, *self.flags, "--epochs", 2, "--log-every", 1]
+        flags += ["--batch-size", planned.batch * self.b, "--grad-accum", planned.grad_accum]
+        flags += ["--eval-only"] * planned.eval_only + ["--out-dir", self.work / planned.out_dir]
+        if planned.mode == "torchrun":
+            return torchrun_cmd(2, *flags, script=self.wrapper)
+        spawn = ["--spawn", 2] if planned.mode == "spawn" else []
+        return python_cmd(*spawn, *flags, script=self.wrapper)
+
+    def launch(self, name) -> Result:
+        planned, records = LAUNCHES[name], self.records(name)
+        records.mkdir(parents=True)
+        env = dict(CHECK_SCRIPT=self.script, CHECK_RECORDS=records, **planned.env)
+        env.update(CHECK_TRAIN_ITEMS=self.train_items, CHECK_EVAL_ITEMS=self.eval_items)
+        if name == "probe":
+            (records / "inputs.json").write_text(json.dumps(self.probe_inputs()))
+            env["CHECK_PROBE"] = records / "inputs.json"
+        started = time.monotonic()
+        env = clean_env(PYTHONDONTWRITEBYTECODE=1, **env)
+        with Launch(self.command(planned), records, "run", env=env, cwd=self.work) as running:
+            running.wait()
+        self.seconds[name] = time.monotonic() - started
+        return running.result(self.work / planned.out_dir)
+
+    def run_launches(self, names: set):
+        """The launches named, each after those it reads: two at a time, or one at a time inside
+        the test suite, which runs two tests at a time. One that times out, leaves a process behind
+        or cannot start (a launch it reads failed) is in self.failed."""
+        order = [name for name in LAUNCHES if name in names]
+        done = {name: threading.Event() for name in order}
+
+        def one(name):
+            try:
+                for before in LAUNCHES[name].after:
+                    done[before].wait()
+                missing = [b for b in LAUNCHES[name].after if b not in self.results]
+                if missing:
+                    self.failed[name] = f"it needs {' and '.join(missing)}, which failed"
+                else:
+                    self.results[name] = self.launch(name)
+            except (Exception, pytest.fail.Exception) as exc:  # (Launch.wait fails the test)
+                self.failed[name] = one_line(str(exc))
+            finally:
+                done[name].set()
+
+        threads, at_a_time = [], 1 if INSIDE_A_SUITE else 2
+        for name in order:  # (those it reads are in `order` before it: started already)
+            while sum(t.is_alive() for t in threads) >= at_a_time:
+                time.sleep(0.05)
+            threads.append(threading.Thread(target=one, args=(name,)))
+            threads[-1].start()
+        for t in threads:
+            t.join()
+
+    def launch_problem(self, names) -> str:
+        """Why one of these launches did not run to its end, or ''."""
+        for name in names:
+            if name in self.failed:
+                return f"the {name} launch: {self.failed[name]}"
+            result = self.results[name]
+            if result.returncode != 0 and name != "stopped":
+                return f"the {name} launch exited {result.returncode}: {script_said(result)}"
+        return ""
+
+    # ---- what the launches left ----
+
+    def lines(self, name, file) -> list[str]:
+        path = self.records(name) / file
+        return path.read_text().splitlines() if path.exists() else []
+
+    def batches(self, name, rank, tag="train") -> list[list[int]]:
+        """The batches (their indices) that a rank of a launch trained, or evaluated, in order."""
+        taken = [line.split() for line in self.lines(name, f"reads.{rank}")]
+        return [[int(i) for i in batch[1:]] for batch in taken if batch[0] == tag]
+
+    def data(self, name, rank) -> dict:
+        """What build_datasets gave a rank: each set's length, and hashes of 8 of its items."""
+        return json.loads(self.lines(name, f"data.{rank}")[0])
+
+    def probe_inputs(self) -> dict:
+        if not self.batches("torchrun", 0):
+            raise RuntimeError(
+                "the wrapper saw no training batch: it follows a loop that makes its DataLoader "
+                "as DataLoader(...), the name the script imports"
+            )
+        return {
+            "initial": str(self.records("torchrun") / "initial.pt"),  # rank 0's, which DDP sends
+            "first_step": [self.batches("torchrun", rank)[0] for rank in range(2)],
+            "final": str(self.work / "python/model.pt"),
+        }
+
+    def eval_set_size(self):
+        """The eval set's length, as build_datasets gave it (python's launch); None: unknown."""
+        if not self.lines("python", "data.0"):
+            return None
+        described = self.data("python", 0)["eval"]
+        return described["len"] if described else 0
+
+    def probe(self) -> dict:
+        return json.loads(self.lines("probe", "probe.json")[0])
+
+
+def script_said(result) -> str:
+    """The line the script stopped with (`NAME: error: ...`), or the last line of its stderr."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    said = [line for line in lines if ": error: " in line]
+    return one_line((said or lines or ["nothing on stderr"])[-1])
+
+
+def one_line(text) -> str:
+    return " ".join(str(text).split())[:400]
+
+
+def weights_gap(a: dict, b: dict) -> float:
+    """The largest relative difference of a tensor, as assert_same_weights measures it."""
+    gaps = [0.0]
+    for k in b:
+        x, y = a[k].double(), b[k].double()
+        gaps.append(((x - y).norm() / y.norm()).item() if y.norm() else (x - y).norm().item())
+    return max(gaps)
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else abs(a - b)
+
+
+# ---- the eight checks: each reads the launches it NEEDS (which ran to their end) ----
+
+
+def check_launch_modes(c: CopyCheck) -> Verdict:
+    seconds = ", ".join(f"{name} {c.seconds[name]:.1f} s" for name in NEEDS[1])
+    written = []  # by rank 1; not torch's caches, nor its probes of the temporary directory
+    caches = (tempfile.gettempdir(), os.path.expanduser("~/.cache"))
+    for name in ("torchrun", "spawn"):
+        for line in c.lines(name, "writes.1"):
+            path = json.loads(line)[1]
+            if path.startswith(str(c.work)) or not path.startswith(caches):
+                written.append(path)
+    figure = f"exit 0 each ({seconds}); rank 1 wrote {len(set(written)) or 'nothing'}"
+    figure += " files" if written else ""
+    if written:
+        return Verdict(
+            1, "FAIL", f"{figure}: {written[0]}",
+            "every rank runs every line: write files from rank 0 only (if ctx.rank == 0), as the "
+            "script writes its checkpoints and records",
+        )  # fmt: skip
+    return Verdict(1, "pass", figure)
+
+
+def by_design(p: dict, random_reads: bool) -> str:
+    """Why N x B and 1 x N*B differ for this model and data by design, or ''."""
+    why = []
+    batch_norms = [m for m in p["modules"] if "BatchNorm" in m]
+    if batch_norms:
+        why.append(
+            f"your model has {batch_norms[0]}: its statistics are per process's batch, so N x B "
+            "and 1 x N*B differ by design (--sync-bn on GPUs)"
+        )
+    elif p["stateful"] or (p["batch_dependent"] and not p["random_in_training"]):
+        what = "output for an item depends on the rest of its batch"
+        if p["stateful"]:
+            what = f"{p['stateful'][0]} keeps state that training moves"
+        why.append(f"in training, your model's {what}: per process, by design")
+    if p["random_in_training"]:
+        names = [m for m in p["modules"] if "Dropout" in m] or ["random draws in training"]
+        why.append(f"it has {names[0]}: each process draws its own random numbers")
+    if random_reads:
+        why.append("your Dataset draws random numbers as it reads: each process its own")
+    return "; ".join(why)
+
+
+def loss_mixes_items(p: dict) -> bool:
+    """In evaluation, a batch's loss is not the count-weighted mean of its items' (a sum, or a
+    mean of means)."""
+    return relative(p["batch_over_items"], 1.0) > TOLERANCE
+
+
+def check_equivalence(c: CopyCheck) -> Verdict:
+    one_process = c.results["python"].weights
+    gap = {name: weights_gap(c.results[name].weights, one_process) for name in ("spawn", "accum")}
+    control = weights_gap(c.results["grad_x2"].weights, one_process)  # (the same, at 2 x --lr)
+    figure = (
+        f"2 x {c.b} and 1 x {c.g} differ by {gap['spawn']:.1e}, 1 x {c.b} x 2 accumulated by "
+        f"{gap['accum']:.1e} (relative, of the weights; tolerance {TOLERANCE:g}; at twice the "
+        f"learning rate, as a loss summed over 2 ranks trains: {control:.1e}, which must exceed "
+        f"{100 * TOLERANCE:g} to tell; plain SGD, installed by the check)"
+    )
+    p = c.probe()
+    design = by_design(p, c.data("python", 0)["train"]["random_reads"])
+    if design and not loss_mixes_items(p):  # (a loss that mixes items does so by no design)
+        return Verdict(2, "n/a", f"{figure}: {design}")
+    if control < 100 * TOLERANCE:
+        return Verdict(2, "n/a", f"{figure}: the weights move too little to tell: raise --lr")
+    if max(gap["spawn"], gap["accum"]) <= TOLERANCE:
+        return Verdict(2, "pass", figure)
+    if p["loss_2b_over_b"] > 1.5:
+        cause = "compute_loss returns a sum, which grows with the batch (see 3)"
+    elif loss_mixes_items(p):
+        cause = "compute_loss's loss is not the mean over its count items (see 3)"
+    elif gap["accum"] <= TOLERANCE:
+        cause = "the processes train on different data (see 4), or their gradients are not averaged"
+    else:
+        cause = "the loss is not the mean over its count items (see 3)"
+    return Verdict(2, "FAIL", figure, cause)
+
+
+def check_mean(c: CopyCheck) -> Verdict:
+    p, figures, causes = c.probe(), [], []
+    ratio, per_item = p["loss_2b_over_b"], p["batch_over_items"]
+    figures.append(
+        f"in evaluation, a batch's loss / the count-weighted mean of its items' = {per_item:.4f} "
+        f"(a mean: 1); {c.g} items' / their two halves' = {ratio:.3f} (a sum: 2)"
+    )
+    if ratio > 1.5:
+        causes.append(
+            "compute_loss returns a sum, which grows with the batch: return the mean over its "
+            "count items (F.cross_entropy's default reduction)"
+        )
+    elif loss_mixes_items(p):
+        causes.append(
+            "compute_loss weighs a batch's items otherwise than by their count (a mean of "
+            "per-sample means?): return the mean over all the items its count counts"
+        )
+    if p["random_in_training"] or c.data("torchrun", 0)["train"]["random_reads"]:
+        what = "training" if p["random_in_training"] else "the Dataset, as it reads,"
+        figures.append(f"step 1 not recomputed: {what} draws random numbers")
+    elif check_same_data(c).status == "FAIL":
+        figures.append("step 1 not recomputed: the ranks' data differ (see 4)")
+    else:
+        logged, alone = c.results["torchrun"].records("progress")[0]["train_loss"], p["step_1"]
+        how = "micro-batch by micro-batch" if p["batch_dependent"] else "item by item"
+        gap = relative(logged, alone)
+        figures.append(
+            f"step 1: logged {logged:.7g}, {how} in {p['precision']} {alone:.7g} (relative gap "
+            f"{gap:.1e})"
+        )
+        if gap > TOLERANCE:
+            causes.append(
+                "the loss is not the mean over the items its count counts (padding in the mean? "
+                "a count of other items?)"
+            )
+    evals = [record for record in c.results["python"].metrics if "eval_loss" in record]
+    if evals and p["eval_loss"] is not None:
+        logged, alone = evals[-1]["eval_loss"], p["eval_loss"]
+        gap = relative(logged, alone)
+        figures.append(f"eval: logged {logged:.7g}, item by item {alone:.7g} ({gap:.1e})")
+        if gap > TOLERANCE:
+            causes.append("the eval loss is not the mean over the items its count counts")
+    counts, unit = set(p["item_counts"]), p["count_unit"]
+    if unit == "samples" and counts != {1.0}:
+        causes.append(f"an item alone counts {max(counts):g}, but COUNT_UNIT is samples")
+    if unit != "samples" and counts == {1.0}:
+        causes.append(f"every item counts 1, a sample, but COUNT_UNIT is {unit}: count the {unit}")
+    return Verdict(3, "FAIL" if causes else "pass", "; ".join(figures), (causes or [""])[0])
+
+
+def check_same_data(c: CopyCheck) -> Verdict:
+    # ranks 0 and 1 of one launch, and rank 0 of another: a generator nobody seeds differs there
+    rank_0, rank_1, other = c.data("torchrun", 0), c.data("torchrun", 1), c.data("python", 0)
+    verdicts = [
+        same_set(part, rank_0[part], rank_1[part], other[part]) for part in ("train", "eval")
+    ]
+    verdicts = [v for v in verdicts if v]
+    for status in ("FAIL", "n/a"):  # the worst of the two sets'
+        if any(v.status == status for v in verdicts):
+            return next(v for v in verdicts if v.status == status)
+    return Verdict(4, "pass", "; ".join(v.figure for v in verdicts))
+
+
+def same_set(part, rank_0, rank_1, other):
+    """Check 4 for one of the sets (None where build_datasets gives none)."""
+    if not rank_0 or not rank_0["len"]:
+        return None
+    size = rank_0["len"]
+    if not size == rank_1["len"] == other["len"]:
+        return Verdict(
+            4, "FAIL", f"the {part} set has {size} items on rank 0, {rank_1['len']} on rank 1, "
+            f"{other['len']} in another launch",
+            "build_datasets depends on the rank, or on a generator it does not seed",
+        )  # fmt: skip
+    n = len(rank_0["digests"])
+    across_ranks = sum(map(str.__eq__, rank_0["digests"], rank_1["digests"]))
+    across_runs = sum(map(str.__eq__, rank_0["digests"], other["digests"]))
+    figure = (
+        f"build_datasets' {part} set: {size} items on each rank; of 8 spread over it, {across_ranks}"
+        f" of {n} the same on ranks 0 and 1, {across_runs} of {n} in another launch"
+    )
+    if rank_0["random_reads"] and min(across_ranks, across_runs) < n:
+        return Verdict(
+            4, "n/a", f"{figure}: its items are random as read, from generators the check cannot "
+            "set; the lengths agree",
+        )  # fmt: skip
+    if across_runs < n:
+        return Verdict(
+            4, "FAIL", figure, "build_datasets draws from a generator it does not seed, so each "
+            "process builds another set: seed it from args.seed, or draw from torch's global "
+            "generator (the script seeds it first)",
+        )  # fmt: skip
+    if across_ranks < n:
+        return Verdict(
+            4, "FAIL", figure, "build_datasets depends on the rank (RANK, LOCAL_RANK, "
+            "dist.get_rank(), or random numbers drawn at a first read, after the script seeds each "
+            "rank its own): every rank builds the whole set, and DistributedSampler gives each its "
+            "share",
+        )  # fmt: skip
+    return Verdict(4, "pass", figure)
+
+
+def check_resume(c: CopyCheck) -> Verdict:
+    stopped, resumed = c.results["stopped"], c.results["resumed"]
+    m = re.search(r"stopped by a signal at step (\d+)", stopped.stdout)
+    if not m or "exit 75" not in stopped.stdout or f"at step {m[1]}," not in resumed.stdout:
+        return Verdict(
+            5, "FAIL", f"the stopped launch exited {stopped.returncode}: {script_said(stopped)}",
+            "the loop's stop agreement, or its resume, was changed",
+        )  # fmt: skip
+    whole = c.results["torchrun"].weights
+    differ = [k for k in whole if not torch.equal(whole[k], resumed.weights[k])]
+    figure = (
+        f"SIGTERM to torchrun in step 2: every rank stopped after step {m[1]} and saved (the "
+        f"script's exit 75, torchrun's {stopped.returncode}); the rerun resumed there: {len(differ)} of "
+        f"{len(whole)} tensors differ from the uninterrupted run's"
+    )
+    if not differ:
+        return Verdict(5, "pass", f"{figure} (bit-identical)")
+    same_batches = all(
+        c.batches("stopped", r) + c.batches("resumed", r) == c.batches("torchrun", r)
+        for r in range(2)
+    )
+    if not same_batches:
+        return Verdict(
+            5, "FAIL", f"{figure}; the two runs trained other batches",
+            "the sampler, or the loop's skipping of the steps an epoch trained, was changed",
+        )  # fmt: skip
+    if check_same_data(c).status == "FAIL":
+        return Verdict(5, "FAIL", figure, "the data differ from process to process (see 4)")
+    if c.workers and c.data("torchrun", 0)["train"]["random_reads"]:
+        return Verdict(
+            5, "pass", f"{figure}: the same batches in the same order; not bit-identical, as the "
+            "Dataset draws random numbers in DataLoader workers, which start afresh at a resume",
+        )  # fmt: skip
+    return Verdict(
+        5, "FAIL", f"{figure}; the same batches in the same order",
+        "random numbers drawn from a generator the checkpoint does not hold (a torch.Generator, "
+        "random.Random or np.random.default_rng of your own): draw from torch's, random's or "
+        "numpy's global generators, which the script seeds per rank and checkpoints",
+    )  # fmt: skip
+
+
+def check_eval(c: CopyCheck) -> Verdict:
+    one, two = (json.loads(c.lines(name, "records.jsonl")[-1]) for name in ("eval_1", "eval_2"))
+    gaps = {name: relative(two[name], value) for name, value in one.items() if "eval_" in name}
+    worst = max(gaps, key=gaps.get)
+    items = list(range(one["eval_samples"]))
+    once = [
+        sorted(i for rank in range(world) for b in c.batches(name, rank, "eval") for i in b)
+        == items
+        for name, world in (("eval_1", 1), ("eval_2", 2))
+    ]
+    figure = (
+        f"on 1 and 2 processes eval_loss {one['eval_loss']:.7g} and {two['eval_loss']:.7g}, every "
+        f"figure within {gaps[worst]:.1e} ({worst}); each of the {len(items)} items evaluated "
+        f"once: {'yes' if once[0] else 'no'} and {'yes' if once[1] else 'no'}"
+    )
+    if gaps[worst] <= TOLERANCE and all(once):
+        return Verdict(6, "pass", figure)
+    return Verdict(
+        6, "FAIL", figure, "a loss that is not the mean over its count (see 3); else the eval "
+        "loader's sampler, or the sums over the ranks, were changed: rank r evaluates items r, "
+        "r + world size..., and the ranks' sums (not means) are added",
+    )  # fmt: skip
+
+
+def check_model_file(c: CopyCheck) -> Verdict:
+    error = c.probe()["load_error"]
+    if error is None:
+        return Verdict(7, "pass", "build_model(args).load_state_dict(torch.load(...)) loads it all")
+    prefix = next((p for p in ("module.", "_orig_mod.") if p in error), None)
+    cause = "the saved state_dict is not build_model()'s"
+    if prefix:
+        cause = f"its keys start with {prefix!r}: save the raw module's, not DDP's or compile's"
+    return Verdict(7, "FAIL", f"load_state_dict: {error}", cause)
+
+
+def check_shares(c: CopyCheck) -> Verdict:
+    steps = min(c.data("torchrun", 0)["train"]["len"], c.train_items) // c.g
+    share = steps * c.b  # a rank's items in an epoch
+    trained = [[i for b in c.batches("torchrun", rank) for i in b] for rank in range(2)]
+    epochs = [[items[e * share : (e + 1) * share] for items in trained] for e in range(2)]
+    figures, causes = [], []
+    for e, (rank_0, rank_1) in enumerate(epochs, 1):
+        figures.append(
+            f"epoch {e}: {len(rank_0)} + {len(rank_1)} items, {len(set(rank_0 + rank_1))} distinct"
+        )
+        if set(rank_0) & set(rank_1):
+            causes.append(
+                "the ranks train the same items: each needs its share (a DistributedSampler "
+                "with its rank and the world size)"
+            )
+        if len(set(rank_0 + rank_1)) != 2 * share:
+            causes.append("an epoch trains items twice, or leaves some of its steps' out")
+    same_order = epochs[0] == epochs[1]
+    figures.append("epoch 2 in epoch 1's order" if same_order else "epoch 2 in another order")
+    if same_order:
+        causes.append(
+            "every epoch repeats the first one's order: call sampler.set_epoch(epoch) at each "
+            "epoch's start"
+        )
+    return Verdict(8, "FAIL" if causes else "pass", "; ".join(figures), (causes or [""])[0])
+
+
+CHECKS = {
+    1: check_launch_modes, 2: check_equivalence, 3: check_mean, 4: check_same_data,
+    5: check_resume, 6: check_eval, 7: check_model_file, 8: check_shares,
+}  # fmt: skip
+
+
+def check_copy(script, args: list[str], work: Path, only=()) -> list[Verdict]:
+    """The guarantees `only` names (all where empty) on a user's script with their ARGS, one line
+    each; the launches in `work`."""
+    numbers = sorted(only or GUARANTEES)
+    c = CopyCheck(script, args, work)
+    started = time.monotonic()
+    print(
+        f"checking {' '.join([str(script), *args])}: 2 x {c.b}, 1 x {c.g} and 1 x {c.b} x 2 "
+        f"accumulated, on at most {c.train_items} training and {c.eval_items} eval items, 2 "
+        f"epochs; the runs: {work}"
+    )
+    names = {name for n in numbers for name in NEEDS[n]}
+    names |= {before for name in names for before in LAUNCHES[name].after}
+    c.run_launches(names)
+    verdicts = []
+    for n in numbers:
+        problem = c.launch_problem(NEEDS[n])
+        try:
+            if n == 6 and c.eval_set_size() == 0:  # (--eval-only refuses to run, as it should)
+                verdict = Verdict(6, "n/a", "build_datasets gives no eval set")
+            elif problem:
+                verdict = Verdict(n, "FAIL", problem, "its line names it")
+            else:
+                verdict = CHECKS[n](c)
+        except Exception as exc:  # (a launch left something else than the check expects)
+            figure = f"the check could not read its launches: {one_line(repr(exc))}"
+            verdict = Verdict(n, "FAIL", figure, "a loop the wrapper cannot follow: see run.err")
+        print(verdict)
+        verdicts.append(verdict)
+    counts = {
+        status: sum(v.status == status for v in verdicts) for status in ("pass", "n/a", "FAIL")
+    }
+    seconds = time.monotonic() - started
+    print(f"{counts['pass']} pass, {counts['n/a']} n/a, {counts['FAIL']} fail ({seconds:.0f} s)")
+    return verdicts
+
+
+CHECK_WRAPPER = r'''
+"""make check's hidden wrapper: it runs as the user's script (its name, flags and task functions),
+with what the CHECK_* variables ask for installed around them. Its own files go to CHECK_RECORDS."""
+
+import collections
+import hashlib
+import importlib.util
+import inspect
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+import torch
+from torch.utils.data import DataLoader
+
+env = os.environ
+RANK = env.get("RANK", "0")
+RECORDS = env["CHECK_RECORDS"]
+own_write = False  # True while the wrapper writes its records: the audit leaves them out
+
+
+def record(name, line):
+    global own_write
+    own_write = True
+    try:
+        with open(os.path.join(RECORDS, name), "a") as f:
+            f.write(line + "\n")
+    finally:
+        own_write = False
+
+
+def audit(event, args):
+    """A non-zero rank's writes, anywhere (rank 0 alone writes)."""
+    if own_write:
+        return
+    if event == "open":
+        path, mode, flags = args
+        writing = (
+            any(c in mode for c in "wax+")
+            if isinstance(mode, str)
+            else bool((flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+        )
+        if not writing or not isinstance(path, (str, bytes, os.PathLike)):
+            return
+    elif event in ("os.rename", "os.remove", "os.truncate"):  # (a directory made is no file)
+        # shutil.rmtree removes a directory's files by their names, relative to its descriptor
+        path, dir_fd = args[0], -1  # (-1: the path alone)
+        if event == "os.remove":
+            dir_fd = args[1]
+        elif event == "os.rename":
+            dir_fd = args[2]
+        if dir_fd != -1 and not os.path.isabs(path):
+            path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), os.fsdecode(path))
+    else:
+        return
+    path = os.fsdecode(path)
+    if "__pycache__" not in path and not path.startswith(("/dev/", "/proc/")):
+        record(f"writes.{RANK}", json.dumps([event, os.path.abspath(path)]))
+
+
+def load_user_script(path):
+    """The user's script as a module (what `python SCRIPT` defines), and the module that trains:
+    the script itself where it is a copy of ddp_train.py (its own train() and task functions),
+    else the ddp_train it imports (and sets the task functions of)."""
+    sys.path[0] = os.path.dirname(os.path.abspath(path))  # its imports resolve as its own would
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    user = importlib.util.module_from_spec(spec)
+    sys.modules[name] = user
+    spec.loader.exec_module(user)
+    copy = getattr(getattr(user, "train", None), "__module__", None) == name
+    target = user if copy else sys.modules.get("ddp_train")
+    if target is None or not callable(getattr(user, "main", None) or getattr(target, "main", None)):
+        sys.exit(f"{path}: make check runs a copy of ddp_train.py, or a script that imports it")
+    return user, target
+
+
+def item_digest(item):
+    """A hash of an item's values: tensors, arrays, numbers, strings, and any nesting of them."""
+    h = hashlib.sha256()
+
+    def feed(x):
+        if torch.is_tensor(x):
+            x = x.detach().cpu().contiguous()
+            h.update(f"{x.dtype}{tuple(x.shape)}".encode())
+            h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif hasattr(x, "tobytes"):
+            h.update(x.tobytes())
+        elif isinstance(x, dict):
+            for k in x:
+                feed(k)
+                feed(x[k])
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                feed(v)
+        else:
+            h.update(repr(x).encode())
+
+    feed(item)
+    return h.hexdigest()[:16]
+
+
+def describe(dataset):
+    """Its length, and hashes of 8 of its items spread over it, each read from a random state of
+    its index (an augmenting Dataset's too), and again from another (where the two differ, the
+    Dataset draws random numbers as it reads)."""
+    if dataset is None or not hasattr(dataset, "__len__"):
+        return None
+    n = len(dataset)
+    picked = sorted({i * (n - 1) // 7 for i in range(8)}) if n else []
+    numpy = sys.modules.get("numpy")
+    states = torch.get_rng_state(), random.getstate(), numpy and numpy.random.get_state()
+    digests, random_reads = [], False
+    for i in picked:
+        twice = []
+        for seed in (i, i + 1):
+            seed_all(seed)
+            twice.append(item_digest(dataset[i]))
+        digests.append(twice[0])
+        random_reads |= twice[0] != twice[1]
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    if numpy:
+        numpy.random.set_state(states[2])
+    return {"len": n, "picked": picked, "digests": digests, "random_reads": random_reads}
+
+
+class Recorded(torch.utils.data.Dataset):
+    """The first `size` items of a Dataset (tag: train or eval), for RecordedLoader."""
+
+    def __init__(self, dataset, tag, size):
+        self.dataset, self.tag, self.size = dataset, tag, min(size, len(dataset))
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        return self.dataset[i]
+
+    def __getitems__(self, indices):
+        if callable(getattr(self.dataset, "__getitems__", None)):
+            return self.dataset.__getitems__(indices)
+        return [self.dataset[i] for i in indices]
+
+    def __getattr__(self, name):  # the Dataset's own attributes, for code that reads them
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+class TakenBatches:
+    """A batch sampler's batches, in a queue as the DataLoader takes them (ahead of the loop)."""
+
+    def __init__(self, batches):
+        self.batches, self.taken = batches, collections.deque()
+
+    def __iter__(self):
+        self.taken = collections.deque()  # a new pass (a pass left early loaded some ahead)
+        for indices in self.batches:
+            self.taken.append(indices)
+            yield indices
+
+    def __len__(self):
+        return len(self.batches)
+
+
+class RecordedLoader(DataLoader):
+    """The script's DataLoader: of a Recorded set, each batch's indices are recorded as the loop
+    gets the batch: those it trained or evaluated, in order (DataLoader workers or not)."""
+
+    def __init__(self, *args, **kwargs):
+        bound = inspect.signature(DataLoader).bind(*args, **kwargs).arguments
+        dataset = bound["dataset"]
+        self.tag = dataset.tag if isinstance(dataset, Recorded) else None
+        if self.tag:  # its batch sampler, or the one DataLoader would make, in a TakenBatches
+            batches = bound.pop("batch_sampler", None)
+            if batches is None:
+                sampler = bound.pop("sampler", None)
+                if sampler is None and bound.pop("shuffle", False):
+                    sampler = torch.utils.data.RandomSampler(
+                        dataset, generator=bound.get("generator")
+                    )
+                sampler = sampler or torch.utils.data.SequentialSampler(dataset)
+                size, drop_last = bound.pop("batch_size", 1), bound.pop("drop_last", False)
+                batches = torch.utils.data.BatchSampler(sampler, size, drop_last)
+            bound["batch_sampler"] = TakenBatches(batches)
+        super().__init__(**bound)
+
+    def __iter__(self):
+        iterator = super().__iter__()  # (now: iter() starts the workers, as the script expects)
+        return self.recorded(iterator) if self.tag else iterator
+
+    def recorded(self, iterator):
+        for batch in iterator:
+            indices = self.batch_sampler.taken.popleft()
+            record(f"reads.{RANK}", f"{self.tag} {' '.join(map(str, indices))}")
+            yield batch
+
+
+def stop_torchrun():
+    """SIGTERM to torchrun, as a scheduler stops a job; back once torchrun has passed it on here."""
+    script_handler, got = signal.getsignal(signal.SIGTERM), []
+
+    def note(signum, frame):
+        got.append(signum)
+        if callable(script_handler):
+            script_handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, note)
+    os.kill(os.getppid(), signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    signal.signal(signal.SIGTERM, script_handler)
+    if not callable(script_handler):  # (the script's loop handles no signal: its default action)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def install(target):
+    """The check's pieces around the task functions that the run calls."""
+    names = ("build_datasets", "build_model", "compute_loss", "report")
+    task = {name: getattr(target, name) for name in names}  # the user's
+    training_calls = [0]
+    built = {}  # the user's Datasets, as build_datasets gave them
+
+    def build_datasets(args):
+        train_set, eval_set = task["build_datasets"](args)
+        built.update(train=train_set, eval=eval_set)
+        if hasattr(train_set, "__len__"):
+            train_set = Recorded(train_set, "train", int(env["CHECK_TRAIN_ITEMS"]))
+        if eval_set is not None and hasattr(eval_set, "__len__"):
+            eval_set = Recorded(eval_set, "eval", int(env["CHECK_EVAL_ITEMS"]))
+        return train_set, eval_set
+
+    def build_model(args):
+        model = task["build_model"](args)
+        if "CHECK_INITIAL" in env and RANK == "0":  # (rank 0's: the weights DDP sends to all)
+            torch.save(model.state_dict(), os.path.join(RECORDS, "initial.pt"))
+        return model
+
+    def compute_loss(model, batch):
+        if model.training:
+            training_calls[0] += 1
+            # the sets, once this rank trains (past the script's seeds per rank, its first reads)
+            if training_calls[0] == 1 and "CHECK_DESCRIBE" in env:
+                sets = {part: describe(dataset) for part, dataset in built.items()}
+                record(f"data.{RANK}", json.dumps(sets))
+            first_run = env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if RANK == "0" and first_run and training_calls[0] == int(env.get("CHECK_STOP_AT", 0)):
+                stop_torchrun()
+        return task["compute_loss"](model, batch)
+
+    def report(record_, args, model):
+        record("records.jsonl", json.dumps(record_))
+        task["report"](record_, args, model)
+
+    target.build_datasets, target.build_model = build_datasets, build_model
+    target.compute_loss, target.report = compute_loss, report
+    target.DataLoader = RecordedLoader
+    if "CHECK_SGD" in env:  # plain SGD at a constant --lr (x CHECK_SGD): a gradient's scale shows
+        scale = float(env["CHECK_SGD"])
+
+        def build_optimizer(args, model):
+            return torch.optim.SGD(model.parameters(), lr=args.lr * scale)
+
+        def build_scheduler(args, optimizer, total_steps):
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+        target.build_optimizer, target.build_scheduler = build_optimizer, build_scheduler
+    return task
+
+
+def to_float64(batch):
+    """A batch with its floating tensors in float64 (the check's independent figures)."""
+    if torch.is_tensor(batch):
+        return batch.double() if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {k: to_float64(v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*map(to_float64, batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map(to_float64, batch))
+    return batch
+
+
+def read(dataset, indices):
+    """Items as the DataLoader fetches them; each from a random state of its own index (a Dataset
+    that draws random numbers gives an item the same values each time)."""
+    if callable(getattr(dataset.dataset, "__getitems__", None)):
+        return dataset.__getitems__(indices)
+    items = []
+    for i in indices:
+        seed_all(i)
+        items.append(dataset[i])
+    return items
+
+
+def seed_all(seed):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed)
+
+
+class Losses:
+    """compute_loss over batches of a Dataset at given weights: each batch in a model of its own,
+    made afresh, as a fresh process computes it (a layer with state starts from the weights')."""
+
+    def __init__(self, args, task, collate_fn):
+        self.args, self.task, self.collate_fn = args, task, collate_fn
+
+    def model(self, weights, train, float64=False):
+        model = self.task["build_model"](self.args)
+        model.load_state_dict(torch.load(weights, weights_only=True))
+        model.train(train)
+        return model.double() if float64 else model
+
+    def mean(self, weights, train, dataset, batches, float64=False, seed=0):
+        """The count-weighted mean of compute_loss over batches (lists of indices), and the
+        count; in training mode or not; the model's random draws (dropout) from `seed`."""
+        total, count = 0.0, 0.0
+        for indices in batches:
+            model = self.model(weights, train, float64)
+            batch = self.collate_fn(read(dataset, indices))
+            seed_all(seed)
+            loss, n = self.task["compute_loss"](model, to_float64(batch) if float64 else batch)[:2]
+            total += float(loss) * float(n)
+            count += float(n)
+        return (total / count if count else 0.0), count
+
+    def mean_float64(self, weights, train, dataset, batches):
+        """(mean, count), and the precision: float64 where the model and compute_loss allow."""
+        try:
+            return self.mean(weights, train, dataset, batches, float64=True), "float64"
+        except Exception:
+            return self.mean(weights, train, dataset, batches), "float32"
+
+
+def probe(target, task, argv, inputs):
+    """One process, no process group: the figures that checks 2, 3 and 7 compare the launches
+    with. inputs: the initial weights (torchrun's rank 0's), each rank's first micro-batch there,
+    and the final weights (the python launch's)."""
+    args = target.parse_args(argv)
+    getattr(target, "seed_everything", torch.manual_seed)(args.seed)  # as before build_datasets
+    # the Datasets as the launches had them (install()'s build_datasets: their first items); the
+    # model and compute_loss the user's own (task)
+    train_set, eval_set = target.build_datasets(args)
+    losses = Losses(args, task, target.collate_fn)
+    initial, final, micro_batches = inputs["initial"], inputs["final"], inputs["first_step"]
+    items = [i for batch in micro_batches for i in batch]
+    each = [[i] for i in items]
+    kinds = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.Dropout)
+    layers = task["build_model"](args).modules()
+    found = {"count_unit": target.COUNT_UNIT, "step_1": None, "eval_loss": None}
+    found["modules"] = sorted(
+        {type(m).__name__ for m in layers if isinstance(m, kinds) and m.training}
+    )
+    with torch.no_grad():
+        # one micro-batch from two random states: the same loss unless training draws randomly
+        draws = [
+            losses.mean(initial, True, train_set, micro_batches[:1], seed=s)[0] for s in (1, 2)
+        ]
+        found["random_in_training"] = draws[0] != draws[1]
+        # in evaluation (no dropout, no batch statistics) a mean over a batch's count is the
+        # count-weighted mean of its items' losses, each alone; a sum is B times it
+        alone = losses.mean(initial, False, train_set, each)[0]
+        found["batch_over_items"] = losses.mean(initial, False, train_set, micro_batches)[0] / alone
+        found["item_counts"] = [losses.mean(initial, False, train_set, [i])[1] for i in each]
+        # a mean of 2B items is the count-weighted mean of its halves' means; a sum is their sum
+        both = losses.mean(initial, False, train_set, [items])[0]
+        halves = losses.mean(
+            initial, False, train_set, [items[: len(items) // 2], items[len(items) // 2 :]]
+        )[0]
+        found["loss_2b_over_b"] = both / halves if halves else 1.0
+        # in training: whether a layer's output depends on the rest of the batch (BatchNorm)
+        try:
+            batched = losses.mean(initial, True, train_set, micro_batches)[0]
+            found["batch_dependent"] = abs(
+                losses.mean(initial, True, train_set, each)[0] - batched
+            ) > 1e-5 * abs(batched)
+        except Exception:  # (BatchNorm of one item in training: an error)
+            found["batch_dependent"] = True
+        found["stateful"] = stateful_layers(losses, initial, train_set, micro_batches[0])
+        if not found["random_in_training"]:  # step 1 item by item, or as each rank's micro-batch
+            per = micro_batches if found["batch_dependent"] else each
+            (found["step_1"], _), found["precision"] = losses.mean_float64(
+                initial, True, train_set, per
+            )
+        if eval_set is not None and len(eval_set):  # the final weights, each eval item alone
+            per_item = [[i] for i in range(len(eval_set))]
+            (found["eval_loss"], _), _ = losses.mean_float64(final, False, eval_set, per_item)
+    found["load_error"] = load_error(task["build_model"](args), final)
+    return found
+
+
+def stateful_layers(losses, weights, dataset, micro_batch):
+    """The kinds of layers whose buffers a forward in training moves (BatchNorm's statistics, a
+    running normalizer's): their state is per process."""
+    model = losses.model(weights, True)
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    losses.task["compute_loss"](model, losses.collate_fn(read(dataset, micro_batch)))
+    moved = [
+        name for name, buffer in model.named_buffers() if not torch.equal(buffer, before[name])
+    ]
+    return sorted({type(model.get_submodule(name.rpartition(".")[0])).__name__ for name in moved})
+
+
+def load_error(model, path):
+    """Why model.pt does not load into build_model() with a strict load_state_dict, or None."""
+    try:
+        model.load_state_dict(torch.load(path, weights_only=True))
+    except Exception as exc:
+        return " ".join(str(exc).split())[:300]
+    return None
+
+
+if __name__ == "__main__":
+    user, target = load_user_script(env["CHECK_SCRIPT"])
+    task = install(target)
+    if "CHECK_PROBE" in env:
+        with open(env["CHECK_PROBE"]) as f:
+            found = probe(target, task, sys.argv[1:], json.load(f))
+        record("probe.json", json.dumps(found))
+        sys.exit(0)
+    if RANK != "0":
+        sys.addaudithook(audit)
+        torch_save = torch.save
+
+        # torch.save writes a path from C++: no audit event (a `from torch import save` escapes)
+        def save(obj, f, *args, **kwargs):
+            if isinstance(f, (str, os.PathLike)):
+                audit("open", (f, "wb", None))
+            return torch_save(obj, f, *args, **kwargs)
+
+        torch.save = save
+    sys.exit(getattr(user, "main", target.main)())  # as `python SCRIPT` runs it
+'''
+
+# ---------------------------------------------------------------------------
+# The command line, which make check runs with SCRIPT, ARGS and CHECKS
+# ---------------------------------------------------------------------------
+
+
+def guarantee_numbers(text: str) -> list[int]:
+    """The numbers of --checks (2,3), each one of the guarantees. An empty list stands for all."""
+    numbers = [n.strip() for n in text.split(",") if n.strip()]
+    wrong = [n for n in numbers if not n.isdigit() or int(n) not in GUARANTEES]
+    if wrong:
+        raise argparse.ArgumentTypeError(f"{wrong[0]} is no guarantee (1 to {len(GUARANTEES)})")
+    return [int(n) for n in numbers]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "script", help="your training script (a copy of ddp_train.py, or one that imports it)"
+    )
+    parser.add_argument(
+        "--args", default="", help='its flags as one string, as --args="--batch-size 8"'
+    )
+    parser.add_argument(
+        "--checks", type=guarantee_numbers, default=[], help="only these guarantees, as 2,3"
+    )
+    parser.add_argument(
+        "--work", help="the folder of the launches, made anew (default out/check/NAME)"
+    )
+    options = parser.parse_args(argv)
+    script = options.script
+    if not script:  # (make check SCRIPT=)
+        print('make check SCRIPT=mine.py ARGS="...": the guarantees, on your copy')
+        return 0
+    if not Path(script).is_file():
+        print(f"make check: there is no {script}: SCRIPT=your script, as make train takes it")
+        return 1
+    work = Path(options.work or Path("out/check") / Path(script).stem).resolve()
+    if work in (Path.cwd(), *Path.cwd().parents) or work in Path(script).resolve().parents:
+        print(f"make check: {work} holds your files, and the check would replace it")
+        return 2
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    share_slots()
+    try:
+        verdicts = check_copy(script, shlex.split(options.args), work, options.checks)
+    except Exception as exc:
+        print(f"make check: the check itself failed: {exc!r}")
+        return 1
+    return 1 if any(v.status == "FAIL" for v in verdicts) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
