@@ -594,7 +594,7 @@ def check_launch_modes(c: CopyCheck) -> Verdict:
     if written:
         return Verdict(
             1, "FAIL", f"{figure}: {written[0]}",
-            "every rank runs every line: write files from rank 0 only (if ctx.rank == 0), as the "
+            "every rank runs every line: write files from rank 0 only (if world.rank == 0), as the "
             "script writes its checkpoints and records",
         )  # fmt: skip
     return Verdict(1, "pass", figure)
