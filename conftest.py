@@ -187,14 +187,14 @@ class Encoded(collections.UserDict):
         return Encoded({k: v.to(device, non_blocking=non_blocking) for k, v in self.items()})
 
 
-def train_step_without_syncs(state, world, args, micro_batches, want_norm):
+def train_step_without_syncs(args, world, state, micro_batches, want_norm):
     """nosync: any wait for the GPU in a step that neither logs, evaluates nor saves is an error.
     Not checked: a token run's first step, and the steps before CHECK_FROM (DDP measures its own
     first 10 iterations with CUDA events, which waits for them)."""
     step = state.progress.step + 1
     checked = step >= int(env.get("CHECK_FROM", 1)) and state.progress.expected_count is not None
     torch.cuda.set_sync_debug_mode("error" if checked else "default")
-    result = train_step_of_the_script(state, world, args, micro_batches, want_norm)
+    result = train_step_of_the_script(args, world, state, micro_batches, want_norm)
     periodic = [args.log_every, args.save_every, args.eval_every, state.plan.steps_per_epoch]
     if any(every and step % every == 0 for every in periodic) or step == state.plan.total_steps:
         torch.cuda.set_sync_debug_mode("default")

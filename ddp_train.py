@@ -84,6 +84,10 @@ TASK_FLAGS = [
     ("eval-samples", 4096, "the default task's evaluation samples (0: none)"),
 ]
 
+# These replace the defaults of the script's flags for your task, by the flag's name with
+# underscores, for example {"lr": 1.0, "epochs": 14}. The command line still overrides them.
+TASK_DEFAULTS = {}
+
 # The default task has Gaussian inputs. A random linear "teacher" gives each input its label.
 FEATURES = 32
 CLASSES = 10
@@ -382,7 +386,7 @@ class TrainState:
     batch_sampler: "ResumableBatchSampler"
     loader: DataLoader
     eval_loader: DataLoader
-    rank_sums: "DeviceSums"  # These are this rank's sums since the last all_reduce_losses().
+    rank_sums: "DeviceSums"  # These are this rank's sums since the last loss all_reduce.
 
 
 def train(args, world):
@@ -390,7 +394,7 @@ def train(args, world):
     state = setup_training(args, world)
     plan, progress = state.plan, state.progress
     # A stop or a crash can leave the checkpoint's records unwritten. All ranks write them first.
-    write_records(progress.records, args, world, state)
+    write_records(args, world, state, progress.records)
     if progress.step >= plan.total_steps and os.path.exists(f"{args.out_dir}/model.pt"):
         log(  # A finished run without model.pt goes on, and finish() writes the file.
             f"{args.out_dir} holds a finished run ({progress.step} steps): nothing to train. Raise "
@@ -412,7 +416,7 @@ def train(args, world):
             stop.send()  # All ranks send whether they got a stop signal.
             step = progress.step + 1
             log_now = args.log_every and step % args.log_every == 0
-            lr, grad_norm = train_step(state, world, args, micro_batches, want_norm=log_now)
+            lr, grad_norm = train_step(args, world, state, micro_batches, want_norm=log_now)
             progress.step = step
             stop.collect()  # If any rank got a signal, all ranks stop after this step.
             eval_now = args.eval_every and step % args.eval_every == 0 and step < epoch_end
@@ -420,40 +424,40 @@ def train(args, world):
             save_now = periodic_save or step == epoch_end or stop.should_stop
             # All ranks reduce the loss only here, as a reduction at every step waits for the GPU.
             if log_now or eval_now or save_now:
-                reduced = all_reduce_losses(state, world)  # DDP: This is the loss all_reduce.
+                reduced = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
+                state.rank_sums = DeviceSums(world.device, step)  # The sums start again.
                 progress.epoch_totals.add(reduced)
                 progress.window_totals.add(reduced)
-                speed.items += reduced.count
             # Eval and epoch records get their eval metrics when they are written, after the save.
             progress.records = []
             where = {"step": step, "epoch": epoch + 1}
             if log_now:
                 metrics = progress.window_totals.means("train_") | {"lr": lr}
                 metrics["grad_norm"] = grad_norm.item()
-                metrics |= speed.metrics(step)
+                metrics |= speed.metrics(step, progress.window_totals.count)
                 progress.records.append({"kind": "progress"} | where | metrics)
                 progress.window_totals = HostSums()
             if eval_now and len(state.eval_loader.dataset):
                 progress.records.append({"kind": "eval"} | where)
             if step == epoch_end:  # This is the end of an epoch, or of the run.
-                metrics = epoch_metrics(state, world, epoch, lr, epoch_started)
+                metrics = epoch_metrics(world, state, epoch, lr, epoch_started)
                 progress.records.append({"kind": "epoch"} | where | metrics)
                 progress.epoch_totals = HostSums()
             # All ranks save first, so that the grace period after a stop signal goes to the save.
             if save_now:
                 save_checkpoint(args, world, state)
             if not stop.should_stop or step == plan.total_steps:  # A stop's rerun writes them.
-                write_records(progress.records, args, world, state)
+                write_records(args, world, state, progress.records)
     return finish(args, world, state, stop)
 
 
-def write_records(records, args, world, state):
+def write_records(args, world, state, records):
     """All ranks run the evaluations that the eval and epoch records need. Then rank 0 writes the
     records. This comes after the step's checkpoint, so report() may use the saved files."""
     for record in records:
         if record["kind"] != "progress" and len(state.eval_loader.dataset):
-            record |= evaluate(state.raw_model, state.eval_loader, world, state.autocast)
-        write_record(record, args, world, state.raw_model, state.plan.total_steps)
+            record |= evaluate(world, state.raw_model, state.eval_loader, state.autocast)
+        write_record(args, world, record, state.raw_model, state.plan.total_steps)
 
 
 def finish(args, world, state, stop):
@@ -492,7 +496,7 @@ def setup_training(args, world):
     # DDP: Each rank gets a random stream of its own, so that dropout differs between the ranks.
     seed_everything(args.seed + 1 + world.rank)
     if checkpoint:
-        progress = restore_checkpoint(args, checkpointed, path, checkpoint, world)
+        progress = restore_checkpoint(args, world, checkpointed, path, checkpoint)
     # The parts now hold what they need, so we drop the file. On GPUs this frees its pages before
     # the workers start. On the CPU, a restored optimizer keeps the loaded tensors as its state.
     del checkpoint
@@ -507,7 +511,7 @@ def setup_training(args, world):
     # a gloo or NCCL thread frees a finished collective can deadlock the child (CPython #112275).
     start_workers(loader)
     start_workers(eval_loader)
-    check_same_start(progress.step, world)
+    check_same_start(world, progress.step)
     ddp_model = model
     if world.world_size > 1:
         # DDP: The wrap broadcasts rank 0's weights. Then it averages the gradients in buckets.
@@ -546,7 +550,6 @@ def build_task(args, world):
 
 
 def make_plan(args, world, train_size, path, checkpoint):
-    """Return the plan: the global batch, the accumulation and the number of steps."""
     # DDP: A step's global batch is --batch-size times the world size times the accumulation. A run
     # that resumes on another world size keeps its global batch and changes its accumulation.
     # nanoGPT does the same when it divides its accumulation by the world size.
@@ -581,7 +584,7 @@ def make_plan(args, world, train_size, path, checkpoint):
     return Plan(global_batch, grad_accum, steps_per_epoch, total_steps)
 
 
-def train_step(state, world, args, micro_batches, want_norm):
+def train_step(args, world, state, micro_batches, want_norm):
     """All ranks take one optimizer step over this rank's next --grad-accum micro-batches.
 
     It returns the step's learning rate and its gradient norm. The norm is a tensor, and it is
@@ -598,7 +601,7 @@ def train_step(state, world, args, micro_batches, want_norm):
             state.rank_sums.add(loss, count, metrics)
             # In a token run's first step, the first micro-batch gives the guess of the count.
             if progress.expected_count is None:
-                progress.expected_count = sum_over_ranks(count, world) * state.plan.grad_accum
+                progress.expected_count = sum_over_ranks(world, count) * state.plan.grad_accum
             # DDP: DDP averages the gradients over the ranks. So each mean is weighed by its share
             # of the step's count, times the world size. For full micro-batches of samples, the
             # weight is 1 / --grad-accum.
@@ -608,7 +611,7 @@ def train_step(state, world, args, micro_batches, want_norm):
     if COUNT_UNIT != "samples":
         # DDP: Now we know the step's real count over all ranks. We rescale every gradient so that
         # it is weighed by the real count, not by the guess.
-        real_count = sum_over_ranks(rank_items, world)
+        real_count = sum_over_ranks(world, rank_items)
         grads = [p.grad for p in state.raw_model.parameters() if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, (progress.expected_count / real_count).to(grads[0].dtype))
@@ -633,7 +636,7 @@ class DeviceSums:
     """This rank's sums, kept on the device, so that no step waits for the GPU.
 
     For the loss and each metric, the sum adds each mean times its count. In training, the sums
-    start again after each all_reduce_losses(). In evaluation, they cover the whole eval set.
+    start again after each loss all_reduce. In evaluation, they cover the whole eval set.
     HostSums holds the same sums after they have been reduced and read to the host."""
 
     def __init__(self, device, since_step):
@@ -660,9 +663,9 @@ class DeviceSums:
         return HostSums(dict(zip(self.sums, values[:-1])), values[-1])
 
 
-def all_reduce_losses(state, world):
-    """All ranks add up their training sums since the last call. This is the tutorials' loss
-    all_reduce. It returns the sums as HostSums, and this rank's sums start again from zero.
+def all_reduce_losses(world, state):
+    """All ranks add up their training sums since the last call, and check them. This is the
+    tutorials' loss all_reduce. It returns the sums of all ranks as HostSums.
 
     It adds with SUM, because gloo does not support AVG on every torch version. A non-finite loss
     or weight stops every rank here, before any record or checkpoint holds it."""
@@ -671,7 +674,7 @@ def all_reduce_losses(state, world):
     if world.world_size > 1:
         dist.all_reduce(packed)  # DDP: Add up every rank's sums.
     totals = rank_sums.to_host(packed)
-    state.rank_sums = DeviceSums(world.device, step)
+    samples = (step - rank_sums.since_step) * state.plan.global_batch
     advice = (
         "the run diverged; nothing non-finite was saved. Lower --lr, or pass --clip-grad-norm 1.0"
     )
@@ -679,7 +682,6 @@ def all_reduce_losses(state, world):
         fail(f"the training loss is {totals.sums['loss']} at step {step}: {advice}", code=1)
     if not torch.stack([p.isfinite().all() for p in state.raw_model.parameters()]).all():
         fail(f"the weights are not finite at step {step} (a non-finite gradient): {advice}", code=1)
-    samples = (step - rank_sums.since_step) * state.plan.global_batch
     check(
         COUNT_UNIT != "samples" or totals.count == samples,
         f"compute_loss counted {totals.count:g} for {samples} samples, but COUNT_UNIT is samples: "
@@ -688,7 +690,7 @@ def all_reduce_losses(state, world):
     return totals
 
 
-def sum_over_ranks(count, world):
+def sum_over_ranks(world, count):
     """Return a count summed over all ranks, as a float64 tensor on the device. It is at least 1,
     because a step without a single token trains nothing and must not divide by zero."""
     total = on_device(count, world.device)
@@ -710,7 +712,7 @@ def on_device(number, device):
     return host.to(device, non_blocking=True)
 
 
-def epoch_metrics(state, world, epoch, lr, epoch_started):
+def epoch_metrics(world, state, epoch, lr, epoch_started):
     """Return an epoch record's training metrics: its means, its items and its seconds."""
     totals, plan = state.progress.epoch_totals, state.plan
     steps = state.progress.step - epoch * plan.steps_per_epoch
@@ -725,7 +727,7 @@ def epoch_metrics(state, world, epoch, lr, epoch_started):
 
 
 @torch.no_grad()
-def evaluate(model, eval_loader, world, autocast):
+def evaluate(world, model, eval_loader, autocast):
     """All ranks compute the exact means over the eval set, as {eval_<name>: mean}.
 
     Each sample counts once. Rank r evaluates samples r, r + world size, and so on, because
@@ -777,8 +779,9 @@ def evaluate_checkpoint(args, world):
     autocast, _ = make_autocast(args, world.device)
     step = checkpoint["progress"]["step"]
     log(f"{PROG}: evaluating {path} (step {step}) on world size {world.world_size}, {world.device}")
-    metrics = evaluate(model, eval_loader, world, autocast)
-    write_record({"kind": "eval", "step": step} | metrics, args, world, model, step, to_file=False)
+    metrics = evaluate(world, model, eval_loader, autocast)
+    record = {"kind": "eval", "step": step} | metrics
+    write_record(args, world, record, model, step, to_file=False)
     return 0
 
 
@@ -811,7 +814,7 @@ def save_checkpoint(args, world, state):
         dist.barrier(group=world.cpu_group)
 
 
-def restore_checkpoint(args, checkpointed, path, checkpoint, world):
+def restore_checkpoint(args, world, checkpointed, path, checkpoint):
     """Load every stateful part from the checkpoint, and this rank's random generators. Return
     the run's progress.
 
@@ -899,20 +902,22 @@ class StopAgreement:
 
 
 class Throughput:
-    """The items trained per second since this process started, and the seconds left."""
+    """The items trained per second since the last progress record, and the seconds left."""
 
     def __init__(self, first_step, total_steps):
-        self.first_step, self.total_steps = first_step, total_steps
-        self.started = time.perf_counter()
-        self.items = 0.0  # This counts the items over all ranks.
+        self.last_step, self.total_steps = first_step, total_steps
+        self.last_time = time.perf_counter()
 
-    def metrics(self, step):
-        seconds = time.perf_counter() - self.started
-        eta_s = seconds / (step - self.first_step) * (self.total_steps - step)
-        return {f"{COUNT_UNIT}_per_s": self.items / seconds, "eta_s": eta_s}
+    def metrics(self, step, items):
+        """Return the speed since the last call, given the items trained since then."""
+        now = time.perf_counter()
+        seconds = now - self.last_time
+        eta_s = seconds / (step - self.last_step) * (self.total_steps - step)
+        self.last_step, self.last_time = step, now
+        return {f"{COUNT_UNIT}_per_s": items / seconds, "eta_s": eta_s}
 
 
-def write_record(record, args, world, model, total_steps, to_file=True):
+def write_record(args, world, record, model, total_steps, to_file=True):
     """Rank 0 writes a record to the console, to metrics.jsonl and to report(). A record is of the
     kind progress, eval or epoch."""
     if world.rank != 0:
@@ -1002,8 +1007,8 @@ def parse_args(argv=None):
             parser.add_argument(f"--{name}", action=action, default=default, help=help_text)
         else:
             parser.add_argument(f"--{name}", type=type(default), default=default, help=help_text)
-    # The legacy `python -m torch.distributed.launch` passes --local-rank=N. Older torch passes
-    # --local_rank=N.
+    parser.set_defaults(**TASK_DEFAULTS)
+    # The legacy launcher passes --local-rank=N, and older torch passes --local_rank=N.
     parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name, _, _ in FLAGS:
@@ -1119,7 +1124,7 @@ def check_datasets(train_set, eval_set):
         )
 
 
-def check_same_start(step, world):
+def check_same_start(world, step):
     # Trap: If only some nodes see the checkpoint, the ranks would start at different steps and
     # train apart. So all ranks compare their starting step.
     if world.world_size > 1:
@@ -1221,10 +1226,8 @@ def unpack_loss(output):
 def to_device(batch, device):
     """Move a batch to the device, without waiting for the GPU.
 
-    The batch may nest tuples, namedtuples, lists and mappings of tensors. An object with a .to()
-    of its own, such as a tokenizer's BatchEncoding, moves itself."""
-    if torch.is_tensor(batch):
-        return batch.to(device, non_blocking=True)
+    The batch may nest tuples, namedtuples, lists and mappings of tensors. A tensor moves itself,
+    and so does any object with a .to() of its own, such as a tokenizer's BatchEncoding."""
     if hasattr(batch, "to"):
         try:
             return batch.to(device, non_blocking=True)

@@ -886,6 +886,21 @@ def test_a_switch_of_a_task_that_is_on_by_default_turns_off_with_no_name(tmp_pat
     assert switch.stdout.split() == ["True", "False", "True"], switch.stdout
 
 
+def test_a_task_sets_the_defaults_of_the_scripts_flags_and_the_command_line_overrides_them(
+    tmp_path,
+):
+    code = (
+        "import ddp_train\n"
+        "ddp_train.TASK_DEFAULTS.update(lr=0.5, epochs=14, compile=True)\n"
+        "for argv in ([], ['--lr', '2', '--epochs', '1', '--no-compile']):\n"
+        "    args = ddp_train.parse_args(argv)\n"
+        "    print(args.lr, args.epochs, args.compile, args.batch_size)"
+    )
+    with Launch([PY, "-c", code], tmp_path, "defaults") as defaults:
+        assert defaults.wait() == 0, defaults.stderr
+    assert defaults.stdout.splitlines() == ["0.5 14 True 64", "2.0 1 False 64"], defaults.stdout
+
+
 def test_a_checkpoint_that_only_one_node_sees_is_one_line(tmp_path, reference):
     # Two processes started by hand as two nodes without shared storage: each in a directory of its own
     # with a relative --out-dir, rank 0's holding a checkpoint, rank 1's none. They would train different
