@@ -15,9 +15,9 @@ Read it from top to bottom. It has four sections.
   1. Your task. These are its flags and functions. Edit them here, or assign your own from a
      script that imports this file, as examples/digits.py does.
   2. init_distributed() joins the process group, and cleanup_distributed() leaves it.
-  3. train() is the tutorials' loop, written with torch's own names. Its setup comes first. The
-     small functions that it calls come after it: one step, the loss all_reduce, evaluation,
-     checkpoints and the stop agreement.
+  3. main(), train() and train_step() are the tutorials' loop, in torch's own names. A reader who
+     stops after them knows the whole flow. The setup and the small functions that they call come
+     after them, in the order that they run.
   4. The helpers come last. They hold the flags, the launchers' plumbing and small functions. A
      first read can skip them.
 Each line that DDP adds to a plain training loop is marked "DDP:". Each classic trap is marked
@@ -47,10 +47,11 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-# Trap: Keep this import here, before any process group exists. Without it, a run of two processes
-# can end with "terminate called" after it has saved. The module remembers the group that exists
-# when it is first imported. DDP imports it later, so the module would keep the group, and gloo's
-# threads would outlive the group and abort the exit. Imported now, it remembers no group.
+# Trap: Keep this import here, before any process group exists. The functions of this module take
+# the default group (group.WORLD) as a default argument, and Python fixes a default argument once,
+# at import. DDP imports the module after the group exists, so the module would hold the group.
+# Then gloo's threads live on until Python exits, where one of them can abort the process with
+# "terminate called", after the run has saved. Imported now, the module holds no group.
 import torch.distributed.nn.functional  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -146,11 +147,9 @@ def compute_loss(model, batch):
 
 
 def collate_fn(items):
-    """Turn what the Dataset gave for a batch into the batch.
-
-    A list of items goes through torch's default_collate, which stacks them. Items of different
-    shapes need a collate_fn that pads them, as in examples/tinylm.py. InMemory already gives a
-    whole batch as a tuple of tensors, and that tuple stays as it is."""
+    """Turn what the Dataset gave for a batch into the batch. A list of items goes through
+    default_collate, which stacks them, and items of different shapes need a collate_fn that pads,
+    as in examples/tinylm.py. InMemory gives a whole batch as a tuple of tensors, which stays."""
     return items if isinstance(items, tuple) else default_collate(items)
 
 
@@ -278,16 +277,17 @@ def cleanup_distributed(world):
     gc.collect()
     if not dist.is_initialized():
         return
-    # Trap: Keep these lines on torch before 2.8. There, destroy_process_group frees gloo while it
-    # holds the GIL, and a gloo thread that needs the GIL then waits forever (pytorch#154976). So we
-    # hold gloo's backend here, and `del` frees it later, when the GIL is free for gloo's threads.
+    # Trap: On torch before 2.8, destroy_process_group frees gloo while it holds the GIL, and a gloo
+    # thread that needs the GIL then waits forever (pytorch#154976). So we keep a reference to
+    # gloo's backend, and destroy_process_group only drops its own. Our `del` frees the backend
+    # last, through torch's binding, which releases the GIL while gloo's threads stop.
     gloo_backend = world.cpu_group._get_backend(torch.device("cpu"))
     world.cpu_group = None  # This drops the last reference, so the group goes with destroy.
     dist.destroy_process_group()  # DDP: Leave the process group.
     del gloo_backend
 
 
-# ====== 3. Training ==============================================================================
+# ====== 3. The loop, and what it calls ========================================================
 
 
 @errors.record  # Under torchrun, this puts a worker's traceback in torchrun's failure summary.
@@ -307,94 +307,12 @@ def main(argv=None):
         cleanup_distributed(world)
 
 
-@dataclasses.dataclass
-class Plan:
-    """What a step is, and how many steps there are."""
-
-    global_batch: int  # This counts the samples of a step over all ranks.
-    grad_accum: int  # This counts the micro-batches of a step on each rank.
-    steps_per_epoch: int  # Each step is a full global batch, so an epoch drops its partial end.
-    total_steps: int
-
-
-@dataclasses.dataclass
-class HostSums:
-    """Sums over all ranks, kept on the host for the records.
-
-    For the loss and each metric, the sum adds each mean times its count. The count adds up the
-    items. A logged mean is then a sum divided by the count."""
-
-    sums: dict = dataclasses.field(default_factory=dict)
-    count: float = 0.0
-
-    def add(self, other):
-        for name, value in other.sums.items():
-            self.sums[name] = self.sums.get(name, 0.0) + value
-        self.count += other.count
-
-    def means(self, prefix):
-        """Return {prefix + name: mean}. It is empty where no item was counted, as in a window
-        without a single token."""
-        if not self.count:
-            return {}
-        return {f"{prefix}{name}": value / self.count for name, value in self.sums.items()}
-
-
-@dataclasses.dataclass
-class Progress:
-    """The run's position, and the sums that its next records report. Every checkpoint saves it."""
-
-    step: int = 0  # This counts the optimizer steps done.
-    # These sum the steps of this epoch, and the steps since the last progress record.
-    epoch_totals: HostSums = dataclasses.field(default_factory=HostSums)
-    window_totals: HostSums = dataclasses.field(default_factory=HostSums)
-    # This is the step's count over all ranks, as we expect it before the step. Each micro-batch
-    # weighs its mean by its count divided by this. For samples, it is exact: the global batch.
-    # A token count comes out of compute_loss, after the forward, but the weight must be known
-    # before that micro-batch's backward. So a token run uses the last step's count as a guess,
-    # and train_step rescales the gradients to the real count after the backward. None means that
-    # the first step has not started, and its first micro-batch gives the guess.
-    expected_count: object = None
-    # These are this step's records. A record is written after its step's checkpoint, and the
-    # checkpoint holds the records too. So if a stop or a crash comes between the two, the resumed
-    # run writes them from the checkpoint.
-    records: list = dataclasses.field(default_factory=list)
-
-    @classmethod
-    def from_dict(cls, saved):
-        progress = cls(**saved)
-        progress.epoch_totals = HostSums(**saved["epoch_totals"])
-        progress.window_totals = HostSums(**saved["window_totals"])
-        return progress
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Everything that training holds. setup_training() makes it, in running order."""
-
-    plan: Plan
-    progress: Progress
-    raw_model: nn.Module  # We save and evaluate the raw module, and report() gets it.
-    ddp_model: nn.Module  # DDP's wrapper gives no_sync(). A single process has the raw module here.
-    forward_model: nn.Module  # compute_loss trains this: the DDP model, or its compiled one.
-    checkpointed: dict  # A checkpoint saves and restores these stateful parts, by name.
-    optimizers: list
-    schedulers: list
-    scaler: torch.amp.GradScaler  # It scales fp16's loss, and it is disabled otherwise.
-    autocast: object  # This is --amp's autocast, or a context that does nothing.
-    sampler: DistributedSampler
-    batch_sampler: "ResumableBatchSampler"
-    loader: DataLoader
-    eval_loader: DataLoader
-    rank_sums: "DeviceSums"  # These are this rank's sums since the last loss all_reduce.
-
-
 def train(args, world):
     """Train, and return the exit code. All ranks run every line, and only rank 0 writes."""
     state = setup_training(args, world)
     plan, progress = state.plan, state.progress
     # A stop or a crash can leave the checkpoint's records unwritten. All ranks write them first.
-    write_records(args, world, state, progress.records)
+    evaluate_and_write_records(args, world, state, progress.records)
     if progress.step >= plan.total_steps and os.path.exists(f"{args.out_dir}/model.pt"):
         log(  # A finished run without model.pt goes on, and finish() writes the file.
             f"{args.out_dir} holds a finished run ({progress.step} steps): nothing to train. Raise "
@@ -419,7 +337,7 @@ def train(args, world):
             lr, grad_norm = train_step(args, world, state, micro_batches, want_norm=log_now)
             progress.step = step
             stop.collect()  # If any rank got a signal, all ranks stop after this step.
-            eval_now = args.eval_every and step % args.eval_every == 0 and step < epoch_end
+            eval_now = args.eval_every and step % args.eval_every == 0
             periodic_save = args.save_every and step % args.save_every == 0
             save_now = periodic_save or step == epoch_end or stop.should_stop
             # All ranks reduce the loss only here, as a reduction at every step waits for the GPU.
@@ -428,8 +346,7 @@ def train(args, world):
                 state.rank_sums = DeviceSums(world.device, step)  # The sums start again.
                 progress.epoch_totals.add(reduced)
                 progress.window_totals.add(reduced)
-            # Eval and epoch records get their eval metrics when they are written, after the save.
-            progress.records = []
+            progress.records = []  # Eval and epoch records get eval metrics after the save.
             where = {"step": step, "epoch": epoch + 1}
             if log_now:
                 metrics = progress.window_totals.means("train_") | {"lr": lr}
@@ -437,21 +354,70 @@ def train(args, world):
                 metrics |= speed.metrics(step, progress.window_totals.count)
                 progress.records.append({"kind": "progress"} | where | metrics)
                 progress.window_totals = HostSums()
-            if eval_now and len(state.eval_loader.dataset):
-                progress.records.append({"kind": "eval"} | where)
-            if step == epoch_end:  # This is the end of an epoch, or of the run.
+            if step == epoch_end:  # The end of an epoch, or of the run, evaluates in its record.
                 metrics = epoch_metrics(world, state, epoch, lr, epoch_started)
                 progress.records.append({"kind": "epoch"} | where | metrics)
                 progress.epoch_totals = HostSums()
+            elif eval_now and len(state.eval_loader.dataset):
+                progress.records.append({"kind": "eval"} | where)
             # All ranks save first, so that the grace period after a stop signal goes to the save.
             if save_now:
                 save_checkpoint(args, world, state)
-            if not stop.should_stop or step == plan.total_steps:  # A stop's rerun writes them.
-                write_records(args, world, state, progress.records)
+            # A run that stops early leaves these records in its checkpoint, for its rerun to write.
+            if step == plan.total_steps or not stop.should_stop:
+                evaluate_and_write_records(args, world, state, progress.records)
     return finish(args, world, state, stop)
 
 
-def write_records(args, world, state, records):
+def train_step(args, world, state, micro_batches, want_norm):
+    """All ranks take one optimizer step over this rank's next --grad-accum micro-batches.
+
+    It returns the step's learning rate and its gradient norm. The norm is a tensor, and it is
+    None unless the step clips or logs it."""
+    progress = state.progress
+    rank_items = 0  # This counts this rank's items in this step, samples or tokens.
+    for i, batch in enumerate(itertools.islice(micro_batches, state.plan.grad_accum)):
+        batch = to_device(batch, world.device)
+        # DDP: no_sync skips the gradient all-reduce. Only the last micro-batch's backward runs it.
+        skip_sync = i < state.plan.grad_accum - 1 and world.world_size > 1
+        with state.ddp_model.no_sync() if skip_sync else contextlib.nullcontext():
+            with state.autocast:
+                loss, count, metrics = unpack_loss(compute_loss(state.forward_model, batch))
+            state.rank_sums.add(loss, count, metrics)
+            # In a token run's first step, the first micro-batch gives the guess of the count.
+            if progress.expected_count is None:
+                progress.expected_count = sum_over_ranks(world, count) * state.plan.grad_accum
+            # DDP: DDP averages the gradients over the ranks, so a mean is weighed by its count over
+            # the step's count, times the world size. With samples, this is 1 / --grad-accum.
+            # Progress.expected_count says why a token run has to guess the step's count.
+            weight = count * world.world_size / progress.expected_count
+            state.scaler.scale(loss * weight).backward()
+        rank_items += count
+    if COUNT_UNIT != "samples":
+        # DDP: Now we know the step's real count over all ranks. We rescale every gradient so that
+        # it is weighed by the real count, not by the guess.
+        real_count = sum_over_ranks(world, rank_items)
+        grads = [p.grad for p in state.raw_model.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, (progress.expected_count / real_count).to(grads[0].dtype))
+        progress.expected_count = real_count  # This is the next step's guess.
+    grad_norm = None
+    if args.clip_grad_norm or want_norm:
+        for optimizer in state.optimizers:
+            # Trap: Clip and log the true gradients, not the gradients that fp16 scaled up.
+            state.scaler.unscale_(optimizer)
+        max_norm = args.clip_grad_norm or math.inf
+        grad_norm = nn.utils.clip_grad_norm_(state.raw_model.parameters(), max_norm)
+    lr = state.optimizers[0].param_groups[0]["lr"]
+    for optimizer, scheduler in zip(state.optimizers, state.schedulers):
+        state.scaler.step(optimizer)
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    state.scaler.update()
+    return lr, grad_norm
+
+
+def evaluate_and_write_records(args, world, state, records):
     """All ranks run the evaluations that the eval and epoch records need. Then rank 0 writes the
     records. This comes after the step's checkpoint, so report() may use the saved files."""
     for record in records:
@@ -584,52 +550,110 @@ def make_plan(args, world, train_size, path, checkpoint):
     return Plan(global_batch, grad_accum, steps_per_epoch, total_steps)
 
 
-def train_step(args, world, state, micro_batches, want_norm):
-    """All ranks take one optimizer step over this rank's next --grad-accum micro-batches.
+@dataclasses.dataclass
+class Plan:
+    """What a step is, and how many steps there are."""
 
-    It returns the step's learning rate and its gradient norm. The norm is a tensor, and it is
-    None unless the step clips or logs it."""
-    progress = state.progress
-    rank_items = 0  # This counts this rank's items in this step, samples or tokens.
-    for i, batch in enumerate(itertools.islice(micro_batches, state.plan.grad_accum)):
-        batch = to_device(batch, world.device)
-        # DDP: no_sync skips the gradient all-reduce. Only the last micro-batch's backward runs it.
-        skip_sync = i < state.plan.grad_accum - 1 and world.world_size > 1
-        with state.ddp_model.no_sync() if skip_sync else contextlib.nullcontext():
-            with state.autocast:
-                loss, count, metrics = unpack_loss(compute_loss(state.forward_model, batch))
-            state.rank_sums.add(loss, count, metrics)
-            # In a token run's first step, the first micro-batch gives the guess of the count.
-            if progress.expected_count is None:
-                progress.expected_count = sum_over_ranks(world, count) * state.plan.grad_accum
-            # DDP: DDP averages the gradients over the ranks. So each mean is weighed by its share
-            # of the step's count, times the world size. For full micro-batches of samples, the
-            # weight is 1 / --grad-accum.
-            weight = count * world.world_size / progress.expected_count
-            state.scaler.scale(loss * weight).backward()
-        rank_items += count
-    if COUNT_UNIT != "samples":
-        # DDP: Now we know the step's real count over all ranks. We rescale every gradient so that
-        # it is weighed by the real count, not by the guess.
-        real_count = sum_over_ranks(world, rank_items)
-        grads = [p.grad for p in state.raw_model.parameters() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, (progress.expected_count / real_count).to(grads[0].dtype))
-        progress.expected_count = real_count  # This is the next step's guess.
-    grad_norm = None
-    if args.clip_grad_norm or want_norm:
-        for optimizer in state.optimizers:
-            # Trap: Clip and log the true gradients, not the gradients that fp16 scaled up.
-            state.scaler.unscale_(optimizer)
-        max_norm = args.clip_grad_norm or math.inf
-        grad_norm = nn.utils.clip_grad_norm_(state.raw_model.parameters(), max_norm)
-    lr = state.optimizers[0].param_groups[0]["lr"]
-    for optimizer, scheduler in zip(state.optimizers, state.schedulers):
-        state.scaler.step(optimizer)
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-    state.scaler.update()
-    return lr, grad_norm
+    global_batch: int  # This counts the samples of a step over all ranks.
+    grad_accum: int  # This counts the micro-batches of a step on each rank.
+    steps_per_epoch: int  # Each step is a full global batch, so an epoch drops its partial end.
+    total_steps: int
+
+
+@dataclasses.dataclass
+class HostSums:
+    """Sums over all ranks, kept on the host for the records.
+
+    For the loss and each metric, the sum adds each mean times its count. The count adds up the
+    items. A logged mean is then a sum divided by the count."""
+
+    sums: dict = dataclasses.field(default_factory=dict)
+    count: float = 0.0
+
+    def add(self, other):
+        for name, value in other.sums.items():
+            self.sums[name] = self.sums.get(name, 0.0) + value
+        self.count += other.count
+
+    def means(self, prefix):
+        """Return {prefix + name: mean}. It is empty where no item was counted, as in a window
+        without a single token."""
+        if not self.count:
+            return {}
+        return {f"{prefix}{name}": value / self.count for name, value in self.sums.items()}
+
+
+@dataclasses.dataclass
+class Progress:
+    """The run's position, and the sums that its next records report. Every checkpoint saves it."""
+
+    step: int = 0  # This counts the optimizer steps done.
+    # These sum the steps of this epoch, and the steps since the last progress record.
+    epoch_totals: HostSums = dataclasses.field(default_factory=HostSums)
+    window_totals: HostSums = dataclasses.field(default_factory=HostSums)
+    # This is the step's count over all ranks, as we expect it before the step. Each micro-batch
+    # weighs its mean by its count divided by this. For samples, it is exact: the global batch.
+    # A token count comes out of compute_loss, after the forward, but the weight must be known
+    # before that micro-batch's backward. So a token run uses the last step's count as a guess,
+    # and train_step rescales the gradients to the real count after the backward. None means that
+    # the first step has not started, and its first micro-batch gives the guess.
+    expected_count: object = None
+    # These are this step's records. A record is written after its step's checkpoint, and the
+    # checkpoint holds the records too. So if a stop or a crash comes between the two, the resumed
+    # run writes them from the checkpoint.
+    records: list = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, saved):
+        progress = cls(**saved)
+        progress.epoch_totals = HostSums(**saved["epoch_totals"])
+        progress.window_totals = HostSums(**saved["window_totals"])
+        return progress
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything that training holds. setup_training() makes it, in running order."""
+
+    plan: Plan
+    progress: Progress
+    raw_model: nn.Module  # We save and evaluate the raw module, and report() gets it.
+    ddp_model: nn.Module  # DDP's wrapper gives no_sync(). A single process has the raw module here.
+    forward_model: nn.Module  # compute_loss trains this: the DDP model, or its compiled one.
+    checkpointed: dict  # A checkpoint saves and restores these stateful parts, by name.
+    optimizers: list
+    schedulers: list
+    scaler: torch.amp.GradScaler  # It scales fp16's loss, and it is disabled otherwise.
+    autocast: object  # This is --amp's autocast, or a context that does nothing.
+    sampler: DistributedSampler
+    batch_sampler: "ResumableBatchSampler"
+    loader: DataLoader
+    eval_loader: DataLoader
+    rank_sums: "DeviceSums"  # These are this rank's sums since the last loss all_reduce.
+
+
+class ResumableBatchSampler:
+    """The training DataLoader's batch_sampler. It gives this rank's micro-batches of an epoch.
+
+    Step s of an epoch trains the stretch of the shuffle from s times the global batch to s + 1
+    times the global batch. This rank's share of that stretch is the same stretch of its own
+    DistributedSampler share. It is cut into micro-batches of --batch-size. A resumed epoch sets
+    skip_steps, and then the first micro-batch is the one that the run stopped before."""
+
+    def __init__(self, sampler, batch_size, plan):
+        self.sampler, self.batch_size = sampler, batch_size
+        self.per_step = plan.grad_accum * batch_size  # This counts this rank's samples in a step.
+        self.steps_per_epoch = plan.steps_per_epoch
+        self.skip_steps = 0  # A resumed epoch leaves out the steps that it has trained.
+
+    def __iter__(self):
+        share = list(self.sampler)
+        end = self.steps_per_epoch * self.per_step
+        for start in range(self.skip_steps * self.per_step, end, self.batch_size):
+            yield share[start : start + self.batch_size]
+
+    def __len__(self):
+        return (self.steps_per_epoch - self.skip_steps) * self.per_step // self.batch_size
 
 
 class DeviceSums:
@@ -710,6 +734,34 @@ def on_device(number, device):
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def unpack_loss(output):
+    """Check the result of compute_loss, and return it as (loss, count, metrics).
+
+    A mean over no items is 0/0, which is NaN. Such a mean weighs nothing, so the loss and each
+    metric become 0 there. Then NaN never reaches a sum."""
+    loss, count, metrics = output, None, None
+    if isinstance(output, tuple) and len(output) == 2:
+        loss, count, metrics = *output, {}
+    elif isinstance(output, tuple) and len(output) == 3:
+        loss, count, metrics = output
+    if not (torch.is_tensor(loss) and loss.ndim == 0 and isinstance(metrics, dict)):
+        shape = f", a loss of shape {list(loss.shape)}: its mean" if torch.is_tensor(loss) else ""
+        fail(
+            "compute_loss must return (loss, count) or (loss, count, {name: mean}): loss the mean "
+            f"over count items, a 0-dim tensor; it returned {type(output).__name__}{shape}"
+        )
+    if not RESERVED_METRICS.isdisjoint(metrics):
+        taken = sorted(RESERVED_METRICS.intersection(metrics))
+        fail(f"compute_loss's metric {taken[0]!r} is one of the script's own names: rename it")
+    if torch.is_tensor(count):
+        loss = torch.where(count > 0, loss, 0.0)
+        metrics = {name: torch.where(count > 0, mean, 0.0) for name, mean in metrics.items()}
+    elif not count:
+        loss = loss.nan_to_num()
+        metrics = {name: torch.as_tensor(mean).nan_to_num() for name, mean in metrics.items()}
+    return loss, count, metrics
 
 
 def epoch_metrics(world, state, epoch, lr, epoch_started):
@@ -1059,14 +1111,13 @@ def spawn(processes, argv):
 
 def round_store(timeout):
     """Return a store for this round of workers alone, or None where torchrun does not share its
-    store. torchrun 2.5 and later shares one store across the rounds of a job.
+    store. It matters only where torchrun restarts workers or a node joins. Elsewhere it is cheap.
 
-    Trap: torchrun's store outlives a round of workers. A new round starts at a restart, or when a
-    node joins or leaves. It would find the old round's keys in the shared store and wait for
-    workers that are gone (pytorch/pytorch#135712). So rank 0 serves a new store for each round,
-    and it writes that store's port into torchrun's store. The other ranks read the port there and
-    try it until it answers. The port of an old round refuses the connection, because the rank 0
-    that served it has exited."""
+    Trap: torchrun 2.5 and later keeps one store across the rounds of a job. A new round starts at
+    a restart, or when a node joins or leaves. It would find the old round's keys in the shared
+    store and wait for workers that are gone (pytorch/pytorch#135712). So rank 0 serves a new store
+    for each round, and it writes that store's port into torchrun's store. The other ranks try the
+    port until it answers. An old round's port refuses, because its rank 0 has exited."""
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
@@ -1133,30 +1184,6 @@ def check_same_start(world, step):
         check(len(set(starts)) == 1, f"the ranks start at steps {starts}: a shared --out-dir")
 
 
-class ResumableBatchSampler:
-    """The training DataLoader's batch_sampler. It gives this rank's micro-batches of an epoch.
-
-    Step s of an epoch trains the stretch of the shuffle from s times the global batch to s + 1
-    times the global batch. This rank's share of that stretch is the same stretch of its own
-    DistributedSampler share. It is cut into micro-batches of --batch-size. A resumed epoch sets
-    skip_steps, and then the first micro-batch is the one that the run stopped before."""
-
-    def __init__(self, sampler, batch_size, plan):
-        self.sampler, self.batch_size = sampler, batch_size
-        self.per_step = plan.grad_accum * batch_size  # This counts this rank's samples in a step.
-        self.steps_per_epoch = plan.steps_per_epoch
-        self.skip_steps = 0  # A resumed epoch leaves out the steps that it has trained.
-
-    def __iter__(self):
-        share = list(self.sampler)
-        end = self.steps_per_epoch * self.per_step
-        for start in range(self.skip_steps * self.per_step, end, self.batch_size):
-            yield share[start : start + self.batch_size]
-
-    def __len__(self):
-        return (self.steps_per_epoch - self.skip_steps) * self.per_step // self.batch_size
-
-
 def loader_options(args, world):
     """Return the DataLoader options that both loaders share.
 
@@ -1193,34 +1220,6 @@ def make_autocast(args, device):
     if amp_dtype is None:
         return contextlib.nullcontext(), None
     return torch.autocast(device.type, amp_dtype), amp_dtype
-
-
-def unpack_loss(output):
-    """Check the result of compute_loss, and return it as (loss, count, metrics).
-
-    A mean over no items is 0/0, which is NaN. Such a mean weighs nothing, so the loss and each
-    metric become 0 there. Then NaN never reaches a sum."""
-    loss, count, metrics = output, None, None
-    if isinstance(output, tuple) and len(output) == 2:
-        loss, count, metrics = *output, {}
-    elif isinstance(output, tuple) and len(output) == 3:
-        loss, count, metrics = output
-    if not (torch.is_tensor(loss) and loss.ndim == 0 and isinstance(metrics, dict)):
-        shape = f", a loss of shape {list(loss.shape)}: its mean" if torch.is_tensor(loss) else ""
-        fail(
-            "compute_loss must return (loss, count) or (loss, count, {name: mean}): loss the mean "
-            f"over count items, a 0-dim tensor; it returned {type(output).__name__}{shape}"
-        )
-    if not RESERVED_METRICS.isdisjoint(metrics):
-        taken = sorted(RESERVED_METRICS.intersection(metrics))
-        fail(f"compute_loss's metric {taken[0]!r} is one of the script's own names: rename it")
-    if torch.is_tensor(count):
-        loss = torch.where(count > 0, loss, 0.0)
-        metrics = {name: torch.where(count > 0, mean, 0.0) for name, mean in metrics.items()}
-    elif not count:
-        loss = loss.nan_to_num()
-        metrics = {name: torch.as_tensor(mean).nan_to_num() for name, mean in metrics.items()}
-    return loss, count, metrics
 
 
 def to_device(batch, device):
