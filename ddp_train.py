@@ -15,9 +15,9 @@ Read it from top to bottom. It has four sections.
   1. Your task. These are its flags and functions. Edit them here, or assign your own from a
      script that imports this file, as examples/digits.py does.
   2. init_distributed() joins the process group, and cleanup_distributed() leaves it.
-  3. main(), train() and train_step() are the tutorials' loop, in torch's own names. A reader who
-     stops after them knows the whole flow. The setup and the small functions that they call come
-     after them, in the order that they run.
+  3. main(), train() and train_step() are the tutorials' loop, in torch's own names. The setup,
+     the state that the loop keeps and the small functions that it calls come after them, in the
+     order that they run.
   4. The helpers come last. They hold the flags, the launchers' plumbing and small functions. A
      first read can skip them.
 Each line that DDP adds to a plain training loop is marked "DDP:". Each classic trap is marked
@@ -406,7 +406,7 @@ def train_step(args, world, state, micro_batches, want_norm):
         for optimizer in state.optimizers:
             # Trap: Clip and log the true gradients, not the gradients that fp16 scaled up.
             state.scaler.unscale_(optimizer)
-        max_norm = args.clip_grad_norm or math.inf
+        max_norm = args.clip_grad_norm or math.inf  # A limit of inf only measures the norm.
         grad_norm = nn.utils.clip_grad_norm_(state.raw_model.parameters(), max_norm)
     lr = state.optimizers[0].param_groups[0]["lr"]
     for optimizer, scheduler in zip(state.optimizers, state.schedulers):
