@@ -1490,7 +1490,7 @@ def write_copy(directory: Path, name: str, body: str | None) -> Path:
     script = directory / f"{name.replace('-', '_')}.py"
     if body is None:
         source = Path(SCRIPT).read_text()
-        line = "        run.sampler.set_epoch(epoch)"
+        line = "        state.sampler.set_epoch(epoch)"
         assert line in source
         script.write_text(source.replace(line, "        pass  # (no set_epoch)"))
     else:
