@@ -35,7 +35,6 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent
@@ -222,6 +221,11 @@ class Result:
         return f"exit {self.returncode}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
 
 
+class LaunchFailed(AssertionError):
+    """A launch hung, left a process behind or exited too early. The suite reports it as a failed
+    test, and the copy check reports it as a failed check."""
+
+
 class Launch:
     """A command in a session of its own, its output in files. On leaving the `with`, everything it
     started is killed; wait() fails the test if the command hangs, or leaves a process behind. It
@@ -263,7 +267,7 @@ class Launch:
         left = marked(self.mark)
         if left:
             self.kill()
-            pytest.fail(
+            raise LaunchFailed(
                 f"{len(left)} process(es) left behind by {' '.join(self.cmd)}\n{self.stderr}"
             )
         return code
@@ -272,7 +276,7 @@ class Launch:
         deadline = time.monotonic() + timeout
         while not predicate():
             if self.proc.poll() is not None:
-                pytest.fail(
+                raise LaunchFailed(
                     f"exited ({self.proc.returncode}) before {what}\n{self.stdout}\n{self.stderr}"
                 )
             if time.monotonic() > deadline:
@@ -289,7 +293,9 @@ class Launch:
         while marked(self.mark) and time.monotonic() < deadline:
             time.sleep(0.1)
         self.kill()
-        pytest.fail(f"{why}: {' '.join(self.cmd)}\n{self.stdout[-3000:]}\n{self.stderr[-12000:]}")
+        raise LaunchFailed(
+            f"{why}: {' '.join(self.cmd)}\n{self.stdout[-3000:]}\n{self.stderr[-12000:]}"
+        )
 
     def kill(self):
         for pid in marked(self.mark):
@@ -491,7 +497,7 @@ class CopyCheck:
                     self.failed[name] = f"it needs {' and '.join(missing)}, which failed"
                 else:
                     self.results[name] = self.launch(name)
-            except (Exception, pytest.fail.Exception) as exc:  # (Launch.wait fails the test)
+            except Exception as exc:  # Launch.wait raises LaunchFailed.
                 self.failed[name] = one_line(str(exc))
             finally:
                 done[name].set()
@@ -1148,7 +1154,7 @@ def install(target):
             torch.save(model.state_dict(), os.path.join(RECORDS, "initial.pt"))
         return model
 
-    def compute_loss(model, batch):
+    def compute_loss(model, batch, args=None):
         if model.training:
             training_calls[0] += 1
             # the sets, once this rank trains (past the script's seeds per rank, its first reads)
@@ -1158,7 +1164,7 @@ def install(target):
             first_run = env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
             if RANK == "0" and first_run and training_calls[0] == int(env.get("CHECK_STOP_AT", 0)):
                 stop_torchrun()
-        return task["compute_loss"](model, batch)
+        return call_task(task["compute_loss"], model, batch, args)
 
     def report(record_, args, model):
         record("records.jsonl", json.dumps(record_))
@@ -1178,6 +1184,13 @@ def install(target):
 
         target.build_optimizer, target.build_scheduler = build_optimizer, build_scheduler
     return task
+
+
+def call_task(function, *arguments):
+    """Call a task function as the script's call_task does, with as many of the arguments as it
+    takes. A script older than call_task passes no args to compute_loss, and then args is None."""
+    parameters = inspect.signature(function).parameters
+    return function(*arguments[: len(parameters)])
 
 
 def to_float64(batch):
@@ -1233,7 +1246,8 @@ class Losses:
             model = self.model(weights, train, float64)
             batch = self.collate_fn(read(dataset, indices))
             seed_all(seed)
-            loss, n = self.task["compute_loss"](model, to_float64(batch) if float64 else batch)[:2]
+            batch = to_float64(batch) if float64 else batch
+            loss, n = call_task(self.task["compute_loss"], model, batch, self.args)[:2]
             total += float(loss) * float(n)
             count += float(n)
         return (total / count if count else 0.0), count
@@ -1308,7 +1322,8 @@ def stateful_layers(losses, weights, dataset, micro_batch):
     running normalizer's): their state is per process."""
     model = losses.model(weights, True)
     before = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    losses.task["compute_loss"](model, losses.collate_fn(read(dataset, micro_batch)))
+    batch = losses.collate_fn(read(dataset, micro_batch))
+    call_task(losses.task["compute_loss"], model, batch, losses.args)
     moved = [
         name for name, buffer in model.named_buffers() if not torch.equal(buffer, before[name])
     ]

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import inspect
 import itertools
 import json
 import math
@@ -72,6 +73,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 # ====== 1. Your task: replace these ==============================================================
+
+# A task function may leave out its last parameter, as the task functions of older copies do. So
+# compute_loss(model, batch) still works, and it gets no args.
 
 # This says what compute_loss counts. It is "samples", or "tokens" for a language model.
 COUNT_UNIT = "samples"
@@ -124,12 +128,12 @@ def build_model(args):
     )
 
 
-def compute_loss(model, batch):
+def compute_loss(model, batch, args=None):
     """Return (loss, count) or (loss, count, metrics) for one batch that collate_fn made.
 
     The batch is already on the device. In training, model is the DDP model, which is compiled
     with --compile, and its forward must run so that DDP sees it. In evaluation, model is the raw
-    module in eval mode.
+    module in eval mode. The args hold the flags, such as a --label-smoothing in TASK_FLAGS.
     The loss is the MEAN over count items, as F.cross_entropy returns it.
     The count is an int or a 0-dim tensor. It counts samples, or a language model's real tokens
     when COUNT_UNIT is "tokens", for example (labels != -100).sum().
@@ -153,10 +157,11 @@ def collate_fn(items):
     return items if isinstance(items, tuple) else default_collate(items)
 
 
-def build_optimizer(args, model):
+def build_optimizer(args, model, plan=None):
     """Return one optimizer, or a list of them.
 
-    The default is AdamW as nanoGPT sets it up. It applies --weight-decay only to the matrices and
+    The plan holds global_batch, steps_per_epoch and total_steps. A resume on another world size
+    keeps the global batch, so a rate that scales with plan.global_batch stays the same. The default is AdamW as nanoGPT sets it up. It applies --weight-decay only to the matrices and
     embeddings, not to biases and norms. The fused AdamW updates all parameters in one kernel."""
     params = list(model.parameters())
     decayed = [p for p in params if p.dim() >= 2]
@@ -168,11 +173,12 @@ def build_optimizer(args, model):
     return torch.optim.AdamW(groups, lr=args.lr, fused=True)
 
 
-def build_scheduler(args, optimizer, total_steps):
+def build_scheduler(args, optimizer, total_steps, plan=None):
     """Return a torch LRScheduler, such as OneCycleLR, for one optimizer.
 
     The script steps it after each optimizer step and saves it in each checkpoint. The default
-    warms up linearly over --warmup-steps and then decays to 0 along a cosine."""
+    warms up linearly over --warmup-steps and then decays to 0 along a cosine. A schedule in
+    epochs takes plan.steps_per_epoch, as in StepLR(optimizer, step_size=plan.steps_per_epoch)."""
 
     def factor(step):  # The step argument counts the optimizer steps done before this one.
         if step < args.warmup_steps:
@@ -382,7 +388,8 @@ def train_step(args, world, state, micro_batches, want_norm):
         skip_sync = i < state.plan.grad_accum - 1 and world.world_size > 1
         with state.ddp_model.no_sync() if skip_sync else contextlib.nullcontext():
             with state.autocast:
-                loss, count, metrics = unpack_loss(compute_loss(state.forward_model, batch))
+                output = call_task(compute_loss, state.forward_model, batch, args)
+                loss, count, metrics = unpack_loss(output)
             state.rank_sums.add(loss, count, metrics)
             # In a token run's first step, the first micro-batch gives the guess of the count.
             if progress.expected_count is None:
@@ -422,7 +429,7 @@ def evaluate_and_write_records(args, world, state, records):
     records. This comes after the step's checkpoint, so report() may use the saved files."""
     for record in records:
         if record["kind"] != "progress" and len(state.eval_loader.dataset):
-            record |= evaluate(world, state.raw_model, state.eval_loader, state.autocast)
+            record |= evaluate(args, world, state.raw_model, state.eval_loader, state.autocast)
         write_record(args, world, record, state.raw_model, state.plan.total_steps)
 
 
@@ -430,30 +437,29 @@ def finish(args, world, state, stop):
     """Return the exit code. It is 75 where a stop signal ended the run early, after its checkpoint
     was saved. Otherwise rank 0 saves the weights in model.pt, and the code is 0. A rerun of a
     finished run that has no model.pt also writes the file here, from the checkpoint."""
-    if stop.should_stop and state.progress.step < state.plan.total_steps:
+    stopped_early = stop.should_stop and state.progress.step < state.plan.total_steps
+    if stopped_early:
         log(f"stopped by a signal at step {state.progress.step}; saved: rerun to resume (exit 75)")
-        stop.restore()
-        return 75
-    # Trap: Save the raw module. DDP would add "module." to every key, and compile "_orig_mod.".
-    if world.rank == 0:
-        atomic_save(state.raw_model.state_dict(), f"{args.out_dir}/model.pt")
-    log(f"saved {args.out_dir}/model.pt after {state.progress.step} steps")
+    else:
+        # Trap: Save the raw module. DDP would add "module." to every key, and compile "_orig_mod.".
+        if world.rank == 0:
+            atomic_save(state.raw_model.state_dict(), f"{args.out_dir}/model.pt")
+        log(f"saved {args.out_dir}/model.pt after {state.progress.step} steps")
     # The handlers stay until model.pt is written, so a signal before then is only noted.
     stop.restore()
-    return 0
+    return 75 if stopped_early else 0
 
 
 def setup_training(args, world):
     """All ranks build what training needs, in running order, and resume from a checkpoint."""
     train_set, eval_set, model = build_task(args, world)
-    if args.sync_bn:
-        check(world.device.type == "cuda", "--sync-bn needs GPUs (SyncBatchNorm runs on CUDA)")
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     path, checkpoint = read_checkpoint(args.out_dir)
     plan = make_plan(args, world, len(train_set), path, checkpoint)
-    optimizers = build_optimizer(args, model)
+    optimizers = call_task(build_optimizer, args, model, plan)
     optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    schedulers = [build_scheduler(args, opt, plan.total_steps) for opt in optimizers]
+    schedulers = [
+        call_task(build_scheduler, args, opt, plan.total_steps, plan) for opt in optimizers
+    ]
     autocast, amp_dtype = make_autocast(args, world.device)
     scaler = torch.amp.GradScaler(world.device.type, enabled=amp_dtype == torch.float16)
     checkpointed = {"model": [model], "optimizers": optimizers, "schedulers": schedulers}
@@ -512,7 +518,11 @@ def build_task(args, world):
     eval_set = eval_set or []
     check_datasets(train_set, eval_set)
     seed_everything(args.seed)  # This gives the same initial weights on any world size.
-    return train_set, eval_set, build_model(args).to(world.device)
+    model = build_model(args).to(world.device)
+    if args.sync_bn:
+        check(world.device.type == "cuda", "--sync-bn needs GPUs (SyncBatchNorm runs on CUDA)")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return train_set, eval_set, model
 
 
 def make_plan(args, world, train_size, path, checkpoint):
@@ -736,6 +746,12 @@ def on_device(number, device):
     return host.to(device, non_blocking=True)
 
 
+def call_task(function, *arguments):
+    """Call a task function with as many of the arguments as it takes, as section 1 allows."""
+    parameters = inspect.signature(function).parameters
+    return function(*arguments[: len(parameters)])
+
+
 def unpack_loss(output):
     """Check the result of compute_loss, and return it as (loss, count, metrics).
 
@@ -779,7 +795,7 @@ def epoch_metrics(world, state, epoch, lr, epoch_started):
 
 
 @torch.no_grad()
-def evaluate(world, model, eval_loader, autocast):
+def evaluate(args, world, model, eval_loader, autocast):
     """All ranks compute the exact means over the eval set, as {eval_<name>: mean}.
 
     Each sample counts once. Rank r evaluates samples r, r + world size, and so on, because
@@ -794,7 +810,8 @@ def evaluate(world, model, eval_loader, autocast):
     rank_sums = DeviceSums(world.device, since_step=0)
     for batch in eval_loader:
         with autocast:
-            loss, n, metrics = unpack_loss(compute_loss(model, to_device(batch, world.device)))
+            output = call_task(compute_loss, model, to_device(batch, world.device), args)
+            loss, n, metrics = unpack_loss(output)
         rank_sums.add(loss, n, metrics)
     # Trap: Do not call model.train(). A part that the task froze in eval mode must stay so.
     for module, training in modes:
@@ -831,7 +848,7 @@ def evaluate_checkpoint(args, world):
     autocast, _ = make_autocast(args, world.device)
     step = checkpoint["progress"]["step"]
     log(f"{PROG}: evaluating {path} (step {step}) on world size {world.world_size}, {world.device}")
-    metrics = evaluate(world, model, eval_loader, autocast)
+    metrics = evaluate(args, world, model, eval_loader, autocast)
     record = {"kind": "eval", "step": step} | metrics
     write_record(args, world, record, model, step, to_file=False)
     return 0

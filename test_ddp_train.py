@@ -901,6 +901,51 @@ def test_a_task_sets_the_defaults_of_the_scripts_flags_and_the_command_line_over
     assert defaults.stdout.splitlines() == ["0.5 14 True 64", "2.0 1 False 64"], defaults.stdout
 
 
+SEAMS_TASK = """
+import sys
+sys.path.insert(0, {root!r})
+import torch
+import torch.nn.functional as F
+import ddp_train
+
+ddp_train.TASK_FLAGS.append(("label-smoothing", 0.0, "the smoothing of the labels"))
+
+
+def build_optimizer(args, model, plan):
+    return torch.optim.SGD(model.parameters(), lr=args.lr * plan.global_batch / 256)
+
+
+def build_scheduler(args, optimizer, total_steps, plan):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=plan.steps_per_epoch, gamma=0.5)
+
+
+def compute_loss(model, batch, args):
+    inputs, targets = batch
+    loss = F.cross_entropy(model(inputs), targets, label_smoothing=args.label_smoothing)
+    return loss, len(targets), {{"smoothing": torch.tensor(args.label_smoothing)}}
+
+
+ddp_train.build_optimizer, ddp_train.build_scheduler = build_optimizer, build_scheduler
+ddp_train.compute_loss = compute_loss
+if __name__ == "__main__":
+    sys.exit(ddp_train.main())
+"""
+
+
+def test_the_task_functions_see_the_plan_and_the_flags(tmp_path):
+    # The optimizer scales its rate with the global batch, the schedule halves the rate after each
+    # epoch, and compute_loss reads a flag of the task. The tutorial's two-parameter forms are
+    # tested by every run of examples/tinylm.py and of the default task's copies.
+    script = tmp_path / "seams.py"
+    script.write_text(SEAMS_TASK.format(root=str(ROOT)))
+    args = ["--num-samples", 256, "--eval-samples", 0, "--epochs", 2, "--batch-size", 16]
+    args += ["--grad-accum", 2, "--log-every", 1, "--lr", 0.1, "--label-smoothing", 0.25]
+    progress = run(torchrun_cmd(2, *args, script=script), tmp_path).records("progress")
+    # Two ranks of 2 micro-batches of 16 make a global batch of 64, and 4 steps an epoch.
+    assert [record["lr"] for record in progress] == [0.025] * 4 + [0.0125] * 4, progress
+    assert {record["train_smoothing"] for record in progress} == {0.25}, progress
+
+
 def test_a_checkpoint_that_only_one_node_sees_is_one_line(tmp_path, reference):
     # Two processes started by hand as two nodes without shared storage: each in a directory of its own
     # with a relative --out-dir, rank 0's holding a checkpoint, rank 1's none. They would train different
@@ -1053,10 +1098,11 @@ def test_make_help_lists_every_target_once():
     assert sorted(targets) == sorted(want), text
 
 
-# This guards against regrowth, and it is not a target. The code tokens stay at most at what the
-# file had after the issue "Nothing lost, nothing flaky" (7,115). Comments written as plain
-# sentences may add lines, up to 10% over that issue's 1,244. The longest function fits a screen.
-CEILING = {"tokens": 7115, "lines": 1368, "function lines": 60}
+# This guards against regrowth, and it is not a target. After the issue "Nothing lost, nothing
+# flaky", the file had 7,115 code tokens and 1,244 lines. Comments written as plain sentences added
+# lines, and the task functions' access to the plan and the flags added 71 tokens and 15 lines.
+# The longest function fits a screen.
+CEILING = {"tokens": 7186, "lines": 1383, "function lines": 60}
 
 
 def test_the_script_stays_within_its_budget():
