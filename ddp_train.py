@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import inspect
 import itertools
@@ -748,8 +749,13 @@ def on_device(number, device):
 
 def call_task(function, *arguments):
     """Call a task function with as many of the arguments as it takes, as section 1 allows."""
-    parameters = inspect.signature(function).parameters
-    return function(*arguments[: len(parameters)])
+    return function(*arguments[: count_parameters(function)])
+
+
+@functools.cache
+def count_parameters(function):
+    """The cache keeps inspect's slow reading of a signature out of every step."""
+    return len(inspect.signature(function).parameters)
 
 
 def unpack_loss(output):
