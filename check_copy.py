@@ -404,7 +404,7 @@ NEEDS = {  # the launches each check reads
     3: ("python", "torchrun", "probe"),
     4: ("python", "torchrun"),
     5: ("python", "torchrun", "stopped", "resumed"),  # (python: to tell if the data differ)
-    6: ("python", "eval_1", "eval_2"),
+    6: ("python", "torchrun", "eval_1", "eval_2"),  # (torchrun: to tell if the data differ)
     7: ("probe",),
     8: ("torchrun",),
 }
@@ -652,7 +652,9 @@ def check_equivalence(c: CopyCheck) -> Verdict:
         return Verdict(2, "n/a", f"{figure}: the weights move too little to tell: raise --lr")
     if max(gap["spawn"], gap["accum"]) <= TOLERANCE:
         return Verdict(2, "pass", figure)
-    if p["loss_2b_over_b"] > 1.5:
+    if check_same_data(c).status == "FAIL":
+        cause = "the processes train on different data (see 4)"
+    elif p["loss_2b_over_b"] > 1.5:
         cause = "compute_loss returns a sum, which grows with the batch (see 3)"
     elif loss_mixes_items(p):
         cause = "compute_loss's loss is not the mean over its count items (see 3)"
@@ -744,10 +746,12 @@ def same_set(part, rank_0, rank_1, other):
         f"build_datasets' {part} set: {size} items on each rank; of 8 spread over it, {across_ranks}"
         f" of {n} the same on ranks 0 and 1, {across_runs} of {n} in another launch"
     )
-    if rank_0["random_reads"] and min(across_ranks, across_runs) < n:
+    # Items that another launch of the same rank reproduces are not random to the check. Then a
+    # difference between the ranks is a real one.
+    if rank_0["random_reads"] and across_runs < n:
         return Verdict(
             4, "n/a", f"{figure}: its items are random as read, from generators the check cannot "
-            "set; the lengths agree",
+            "set, so another launch of the same rank cannot reproduce them; the lengths agree",
         )  # fmt: skip
     if across_runs < n:
         return Verdict(
@@ -823,6 +827,8 @@ def check_eval(c: CopyCheck) -> Verdict:
     )
     if gaps[worst] <= TOLERANCE and all(once):
         return Verdict(6, "pass", figure)
+    if check_same_data(c).status == "FAIL":
+        return Verdict(6, "FAIL", figure, "the processes build different data (see 4)")
     return Verdict(
         6, "FAIL", figure, "a loss that is not the mean over its count (see 3); else the eval "
         "loader's sampler, or the sums over the ranks, were changed: rank r evaluates items r, "
@@ -903,6 +909,9 @@ def check_copy(script, args: list[str], work: Path, only=()) -> list[Verdict]:
             verdict = Verdict(n, "FAIL", figure, "a loop the wrapper cannot follow: see run.err")
         print(verdict)
         verdicts.append(verdict)
+    # The checkpoints of a large model take gigabytes. The verdicts are in, so only the logs stay.
+    for path in work.rglob("checkpoint*.pt*"):
+        path.unlink()
     counts = {
         status: sum(v.status == status for v in verdicts) for status in ("pass", "n/a", "FAIL")
     }

@@ -1436,6 +1436,24 @@ def build_datasets(args):  # each rank its own samples
 ddp_train.build_datasets = build_datasets
 """,
     ),
+    "rank-split-augmented": (
+        {4: "depends on the rank", 6: "(see 4)"},
+        """
+class Noisy(torch.utils.data.Dataset):  # It adds noise from torch's generator to each read.
+    def __init__(self, dataset):
+        self.dataset = dataset
+    def __len__(self):
+        return len(self.dataset)
+    def __getitem__(self, i):
+        inputs, target = self.dataset[i]
+        return inputs + 0.1 * torch.randn(inputs.shape), target
+def build_datasets(args):  # Each rank builds a split of its own.
+    rank = int(os.environ.get("RANK", 0))
+    seeded = argparse.Namespace(**{**vars(args), "seed": args.seed + rank})
+    return tuple(Noisy(dataset) for dataset in build_default(seeded))
+ddp_train.build_datasets = build_datasets
+""",
+    ),
     "unseeded-split": (
         {4: "does not seed"},
         """
@@ -1603,6 +1621,7 @@ def test_make_check_passes_every_shipped_task(tmp_path, task):
         assert re.search(rf"^n/a +2\. .*{name}", launch.stdout, re.M), launch.stdout
     name = Path(task).stem  # the runs, in the project's out/ as make train's
     assert (repo / "out/check" / name / "records/torchrun/run.out").exists()
+    assert not list((repo / "out/check" / name).rglob("checkpoint*.pt*"))  # (the logs stay)
 
 
 # ddp_train.py as users copied it before its restructure into the loop and the machinery. Its copies
