@@ -381,17 +381,21 @@ class Planned:
     after: tuple = ()  # the launches whose files it reads, done before it starts
 
 
-# In the order they start, two at a time. SGD=k: plain SGD at k x --lr in place of the user's
-# optimizer (an adaptive one trains a summed loss almost like a mean); grad_x2: check 2's negative
-# control.
+# They start in this order, two at a time. CHECK_SGD=k trains with plain SGD at k times the check's
+# one rate, in place of the user's optimizer, because an adaptive optimizer trains a summed loss
+# almost like a mean. grad_x2 is check 2's negative control.
 LAUNCHES = {
-    "python": Planned("python", 2, 1, "python", dict(CHECK_SGD=1, CHECK_DESCRIBE=1)),
+    # One process that trains nothing. It finds the one rate of the check's SGD, for every launch.
+    "rate": Planned("python", 2, 1, "rate", dict(CHECK_RATE_PROBE=1)),
+    "python": Planned(
+        "python", 2, 1, "python", dict(CHECK_SGD=1, CHECK_DESCRIBE=1), after=("rate",)
+    ),
     "torchrun": Planned("torchrun", 1, 1, "torchrun", dict(CHECK_DESCRIBE=1, CHECK_INITIAL=1)),
     # SIGTERM in step 2, when every rank is in the loop (step 1's all-reduce waited for them)
     "stopped": Planned("torchrun", 1, 1, "stopped", dict(CHECK_STOP_AT=2)),
-    "spawn": Planned("spawn", 1, 1, "spawn", dict(CHECK_SGD=1)),
-    "accum": Planned("python", 1, 2, "accum", dict(CHECK_SGD=1)),
-    "grad_x2": Planned("python", 2, 1, "grad_x2", dict(CHECK_SGD=2)),
+    "spawn": Planned("spawn", 1, 1, "spawn", dict(CHECK_SGD=1), after=("rate",)),
+    "accum": Planned("python", 1, 2, "accum", dict(CHECK_SGD=1), after=("rate",)),
+    "grad_x2": Planned("python", 2, 1, "grad_x2", dict(CHECK_SGD=2), after=("rate",)),
     "eval_1": Planned("python", 2, 1, "python", {}, eval_only=True, after=("python",)),
     "resumed": Planned("torchrun", 1, 1, "stopped", {}, after=("stopped",)),  # the same command
     "eval_2": Planned("torchrun", 1, 1, "python", {}, eval_only=True, after=("python",)),
@@ -471,6 +475,12 @@ class CopyCheck:
         records.mkdir(parents=True)
         env = dict(CHECK_SCRIPT=self.script, CHECK_RECORDS=records, **planned.env)
         env.update(CHECK_TRAIN_ITEMS=self.train_items, CHECK_EVAL_ITEMS=self.eval_items)
+        if "CHECK_SGD" in planned.env:
+            rate = self.lines("rate", "rate.json")
+            if not rate:
+                said = script_said(self.results["rate"])
+                raise RuntimeError(f"the launch that finds the SGD rate failed: {said}")
+            env["CHECK_RATE"] = rate[0]
         if name == "probe":
             (records / "inputs.json").write_text(json.dumps(self.probe_inputs()))
             env["CHECK_PROBE"] = records / "inputs.json"
@@ -892,7 +902,8 @@ def check_copy(script, args: list[str], work: Path, only=()) -> list[Verdict]:
         f"epochs; the runs: {work}"
     )
     names = {name for n in numbers for name in NEEDS[n]}
-    names |= {before for name in names for before in LAUNCHES[name].after}
+    while any(set(LAUNCHES[name].after) - names for name in names):  # (what they read, in turn)
+        names |= {before for name in names for before in LAUNCHES[name].after}
     c.run_launches(names)
     verdicts = []
     for n in numbers:
@@ -1182,11 +1193,11 @@ def install(target):
     target.build_datasets, target.build_model = build_datasets, build_model
     target.compute_loss, target.report = compute_loss, report
     target.DataLoader = RecordedLoader
-    if "CHECK_SGD" in env:  # plain SGD at a constant --lr (x CHECK_SGD): a gradient's scale shows
-        scale = float(env["CHECK_SGD"])
+    if "CHECK_SGD" in env:  # plain SGD at the check's rate (x CHECK_SGD): a gradient's scale shows
+        rate = float(env["CHECK_RATE"]) * float(env["CHECK_SGD"])
 
         def build_optimizer(args, model):
-            return torch.optim.SGD(model.parameters(), lr=args.lr * scale)
+            return torch.optim.SGD(model.parameters(), lr=rate)
 
         def build_scheduler(args, optimizer, total_steps):
             return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -1326,6 +1337,29 @@ def probe(target, task, argv, inputs):
     return found
 
 
+def sgd_rate(target, task, argv):
+    """The one learning rate of the check's plain SGD. A step at the initial weights moves them by
+    1% of their norm, so SGD cannot diverge where the user's --lr suits another optimizer, such as
+    Adadelta's 1.0. Every launch gets the same rate, so a loss summed over the ranks still trains
+    twice as fast as a mean."""
+    args = target.parse_args(argv)
+    seed = getattr(target, "seed_everything", torch.manual_seed)
+    seed(args.seed)  # as the script seeds before build_datasets, and again before build_model
+    train_set, _ = target.build_datasets(args)
+    seed(args.seed)
+    model = task["build_model"](args)
+    model.train()
+    batch = target.collate_fn(read(train_set, list(range(min(len(train_set), args.batch_size)))))
+    output = call_task(task["compute_loss"], model, batch, args)
+    (output[0] if isinstance(output, tuple) else output).backward()
+    weights = torch.cat([p.detach().double().flatten() for p in model.parameters()]).norm()
+    grads = [p.grad.double().flatten() for p in model.parameters() if p.grad is not None]
+    gradient = torch.cat(grads).norm() if grads else torch.tensor(0.0)
+    if not (gradient > 0 and gradient.isfinite() and weights > 0):
+        return args.lr  # (nothing to scale by: the user's own rate)
+    return float(0.01 * weights / gradient)
+
+
 def stateful_layers(losses, weights, dataset, micro_batch):
     """The kinds of layers whose buffers a forward in training moves (BatchNorm's statistics, a
     running normalizer's): their state is per process."""
@@ -1351,6 +1385,9 @@ def load_error(model, path):
 if __name__ == "__main__":
     user, target = load_user_script(env["CHECK_SCRIPT"])
     task = install(target)
+    if "CHECK_RATE_PROBE" in env:
+        record("rate.json", json.dumps(sgd_rate(target, task, sys.argv[1:])))
+        sys.exit(0)
     if "CHECK_PROBE" in env:
         with open(env["CHECK_PROBE"]) as f:
             found = probe(target, task, sys.argv[1:], json.load(f))

@@ -1537,6 +1537,17 @@ def build_model(args):
     return nn.Sequential(RunningNorm(), model_default(args))
 ddp_train.build_model = build_model
 """,
+    "adadelta": """
+ddp_train.TASK_DEFAULTS["lr"] = 1.0  # This is Adadelta's usual rate. Plain SGD diverges at it here.
+def build_datasets(args):  # The inputs are not normalised, as raw pixel values are not.
+    train_set, eval_set = build_default(args)
+    for dataset in (train_set, eval_set):
+        dataset.tensors = (10 * dataset.tensors[0], dataset.tensors[1])
+    return train_set, eval_set
+def build_optimizer(args, model):
+    return torch.optim.Adadelta(model.parameters(), lr=args.lr)
+ddp_train.build_datasets, ddp_train.build_optimizer = build_datasets, build_optimizer
+""",
     "per-rank-init": """
 def build_model(args):
     torch.manual_seed(1000 + int(os.environ.get("RANK", 0)))  # each rank its own initial weights
