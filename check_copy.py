@@ -1227,15 +1227,23 @@ def to_float64(batch):
 
 
 def read(dataset, indices):
-    """Items as the DataLoader fetches them; each from a random state of its own index (a Dataset
-    that draws random numbers gives an item the same values each time)."""
-    if callable(getattr(dataset.dataset, "__getitems__", None)):
-        return dataset.__getitems__(indices)
-    items = []
+    """Items as the DataLoader fetches them. Each item is read from a random state of its own
+    index, so a Dataset that draws random numbers gives an item the same values each time, alone
+    or in a batch. A Dataset with __getitems__, such as torch's Subset, reads one index at a time,
+    and the parts are joined into the batch that it would give."""
+    reads_batches = callable(getattr(dataset.dataset, "__getitems__", None))
+    parts = []
     for i in indices:
         seed_all(i)
-        items.append(dataset[i])
-    return items
+        parts.append(dataset.__getitems__([i]) if reads_batches else dataset[i])
+    if not reads_batches:
+        return parts
+    if all(isinstance(part, list) for part in parts):  # a list of items, as Subset gives
+        return [item for part in parts for item in part]
+    if all(isinstance(part, tuple) and all(map(torch.is_tensor, part)) for part in parts):
+        return tuple(torch.cat(fields) for fields in zip(*parts))  # a batch of tensors
+    seed_all(indices[0])  # (a batch of another kind: read at once, from one random state)
+    return dataset.__getitems__(indices)
 
 
 def seed_all(seed):

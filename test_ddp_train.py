@@ -1548,6 +1548,21 @@ def build_optimizer(args, model):
     return torch.optim.Adadelta(model.parameters(), lr=args.lr)
 ddp_train.build_datasets, ddp_train.build_optimizer = build_datasets, build_optimizer
 """,
+    "augmented-subset": """
+class Noisy(torch.utils.data.Dataset):  # It adds noise from torch's generator to each read.
+    def __init__(self, dataset):
+        self.dataset = dataset
+    def __len__(self):
+        return len(self.dataset)
+    def __getitem__(self, i):
+        inputs, target = self.dataset[i]
+        return inputs + 0.1 * torch.randn(inputs.shape), target
+def build_datasets(args):  # random_split gives a Subset, which reads a batch with __getitems__.
+    train_set, eval_set = build_default(args)
+    train_part, _ = torch.utils.data.random_split(Noisy(train_set), [0.75, 0.25])
+    return train_part, eval_set
+ddp_train.build_datasets = build_datasets
+""",
     "per-rank-init": """
 def build_model(args):
     torch.manual_seed(1000 + int(os.environ.get("RANK", 0)))  # each rank its own initial weights
@@ -1607,6 +1622,7 @@ def test_make_check_passes_a_correct_copy_that_differs_by_design(tmp_path, copy)
     assert all(status == "pass" for n, (status, _) in lines.items() if n != 2), output
     # N x B and 1 x N*B differ by design where a layer is per process: said (n/a), not failed
     layers = {"dropout": "Dropout", "batchnorm": "BatchNorm1d", "running-norm": "RunningNorm"}
+    layers["augmented-subset"] = "Dataset draws random numbers"
     if copy in layers:
         assert lines[2][0] == "n/a" and layers[copy] in lines[2][1], output
     else:  # initial weights per rank: DDP sends rank 0's
