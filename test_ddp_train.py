@@ -1412,6 +1412,16 @@ import ddp_train
 from ddp_train import CLASSES, FEATURES
 build_default, model_default = ddp_train.build_datasets, ddp_train.build_model
 loss_default = ddp_train.compute_loss
+
+
+class Noisy(torch.utils.data.Dataset):  # It adds noise from torch's generator to each read.
+    def __init__(self, dataset):
+        self.dataset = dataset
+    def __len__(self):
+        return len(self.dataset)
+    def __getitem__(self, i):
+        inputs, target = self.dataset[i]
+        return inputs + 0.1 * torch.randn(inputs.shape), target
 """
 COPY_TAIL = """
 if __name__ == "__main__":
@@ -1439,14 +1449,6 @@ ddp_train.build_datasets = build_datasets
     "rank-split-augmented": (
         {4: "depends on the rank", 6: "(see 4)"},
         """
-class Noisy(torch.utils.data.Dataset):  # It adds noise from torch's generator to each read.
-    def __init__(self, dataset):
-        self.dataset = dataset
-    def __len__(self):
-        return len(self.dataset)
-    def __getitem__(self, i):
-        inputs, target = self.dataset[i]
-        return inputs + 0.1 * torch.randn(inputs.shape), target
 def build_datasets(args):  # Each rank builds a split of its own.
     rank = int(os.environ.get("RANK", 0))
     seeded = argparse.Namespace(**{**vars(args), "seed": args.seed + rank})
@@ -1549,14 +1551,6 @@ def build_optimizer(args, model):
 ddp_train.build_datasets, ddp_train.build_optimizer = build_datasets, build_optimizer
 """,
     "augmented-subset": """
-class Noisy(torch.utils.data.Dataset):  # It adds noise from torch's generator to each read.
-    def __init__(self, dataset):
-        self.dataset = dataset
-    def __len__(self):
-        return len(self.dataset)
-    def __getitem__(self, i):
-        inputs, target = self.dataset[i]
-        return inputs + 0.1 * torch.randn(inputs.shape), target
 def build_datasets(args):  # random_split gives a Subset, which reads a batch with __getitems__.
     train_set, eval_set = build_default(args)
     train_part, _ = torch.utils.data.random_split(Noisy(train_set), [0.75, 0.25])
