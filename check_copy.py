@@ -41,6 +41,10 @@ ROOT = Path(__file__).resolve().parent
 SCRIPT = str(ROOT / "ddp_train.py")
 PY = sys.executable
 TIMEOUT = 150  # seconds for any one launch: a hang fails fast instead of eating CI
+# A whole make check runs its launches one at a time inside the suite, and each one waits for CPU
+# slots and has its own limit of TIMEOUT. So the limit of the whole only backs those up, and it is
+# long enough for a loaded machine.
+CHECK_TIMEOUT = 900
 # A launch that times out gets SIGABRT first, so that Python prints every thread's stack
 # (PYTHONFAULTHANDLER). No core file is written.
 resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
@@ -384,27 +388,33 @@ class Planned:
 # They start in this order, two at a time. CHECK_SGD=k trains with plain SGD at k times the check's
 # one rate, in place of the user's optimizer, because an adaptive optimizer trains a summed loss
 # almost like a mean. grad_x2 is check 2's negative control.
+NEUTRAL_SGD = {"CHECK_SGD": 1, "CHECK_NEUTRAL": 1}
 LAUNCHES = {
     # One process that trains nothing. It finds the one rate of the check's SGD, for every launch.
     "rate": Planned("python", 2, 1, "rate", dict(CHECK_RATE_PROBE=1)),
-    "python": Planned(
-        "python", 2, 1, "python", dict(CHECK_SGD=1, CHECK_DESCRIBE=1), after=("rate",)
-    ),
+    "python": Planned("python", 2, 1, "python", dict(CHECK_DESCRIBE=1)),
     "torchrun": Planned("torchrun", 1, 1, "torchrun", dict(CHECK_DESCRIBE=1, CHECK_INITIAL=1)),
     # SIGTERM in step 2, when every rank is in the loop (step 1's all-reduce waited for them)
     "stopped": Planned("torchrun", 1, 1, "stopped", dict(CHECK_STOP_AT=2)),
-    "spawn": Planned("spawn", 1, 1, "spawn", dict(CHECK_SGD=1), after=("rate",)),
-    "accum": Planned("python", 1, 2, "accum", dict(CHECK_SGD=1), after=("rate",)),
-    "grad_x2": Planned("python", 2, 1, "grad_x2", dict(CHECK_SGD=2), after=("rate",)),
+    "spawn": Planned("spawn", 1, 1, "spawn", {}),
+    # Check 2's launches: 1 x 2B, 2 x B and 1 x B x 2 accumulated, and the control at twice the
+    # rate. They run the user's loop and loss, with BatchNorm, dropout and the Dataset's draws
+    # neutralised.
+    "single": Planned(
+        "python", 2, 1, "single", NEUTRAL_SGD | {"CHECK_DESCRIBE": 1}, after=("rate",)
+    ),
+    "pair": Planned("spawn", 1, 1, "pair", NEUTRAL_SGD, after=("rate",)),
+    "accum": Planned("python", 1, 2, "accum", NEUTRAL_SGD, after=("rate",)),
+    "grad_x2": Planned("python", 2, 1, "grad_x2", NEUTRAL_SGD | {"CHECK_SGD": 2}, after=("rate",)),
     "eval_1": Planned("python", 2, 1, "python", {}, eval_only=True, after=("python",)),
     "resumed": Planned("torchrun", 1, 1, "stopped", {}, after=("stopped",)),  # the same command
     "eval_2": Planned("torchrun", 1, 1, "python", {}, eval_only=True, after=("python",)),
     # one process that computes the figures alone: from torchrun's first step, python's weights
-    "probe": Planned("python", 2, 1, "python", {}, after=("python", "torchrun")),
+    "probe": Planned("python", 2, 1, "python", {}, after=("python", "torchrun", "rate")),
 }
 NEEDS = {  # the launches each check reads
     1: ("python", "torchrun", "spawn"),
-    2: ("python", "spawn", "accum", "grad_x2", "probe"),
+    2: ("single", "pair", "accum", "grad_x2", "probe"),
     3: ("python", "torchrun", "probe"),
     4: ("python", "torchrun"),
     5: ("python", "torchrun", "stopped", "resumed"),  # (python: to tell if the data differ)
@@ -481,6 +491,8 @@ class CopyCheck:
                 said = script_said(self.results["rate"])
                 raise RuntimeError(f"the launch that finds the SGD rate failed: {said}")
             env["CHECK_RATE"] = rate[0]
+        if "CHECK_NEUTRAL" in planned.env:
+            env["CHECK_CALIBRATED"] = self.records("rate") / "calibrated.pt"
         if name == "probe":
             (records / "inputs.json").write_text(json.dumps(self.probe_inputs()))
             env["CHECK_PROBE"] = records / "inputs.json"
@@ -556,6 +568,7 @@ class CopyCheck:
             "initial": str(self.records("torchrun") / "initial.pt"),  # rank 0's, which DDP sends
             "first_step": [self.batches("torchrun", rank)[0] for rank in range(2)],
             "final": str(self.work / "python/model.pt"),
+            "calibrated": str(self.records("rate") / "calibrated.pt"),
         }
 
     def eval_set_size(self):
@@ -616,26 +629,32 @@ def check_launch_modes(c: CopyCheck) -> Verdict:
     return Verdict(1, "pass", figure)
 
 
-def by_design(p: dict, random_reads: bool) -> str:
-    """Why N x B and 1 x N*B differ for this model and data by design, or ''."""
+def neutralised(n: dict, train: dict) -> str:
+    """What check 2's launches neutralised, for its line."""
+    parts = [f"{kind} x {count} at fixed statistics" for kind, count in n["batch_norms"].items()]
+    if n["dropouts"]:
+        parts.append(f"Dropout x {n['dropouts']} off")
+    parts += [f"the dropout of {name} off" for name in n["functions"]]
+    if train["random_reads"] and not train["own_draws"]:
+        parts.append("the Dataset's draws seeded per item")
+    return ", ".join(parts)
+
+
+def differs_by_design(n: dict, train: dict) -> str:
+    """Why N x B and 1 x N*B still differ by design in check 2's launches, or ''."""
     why = []
-    batch_norms = [m for m in p["modules"] if "BatchNorm" in m]
-    if batch_norms:
+    if n["stateful"]:
+        why.append(f"in training, your model's {n['stateful'][0]} keeps state that training moves")
+    elif n["mixing"]:
+        layer = f"{n['mixing_layer']}'s output" if n["mixing_layer"] else "output"
         why.append(
-            f"your model has {batch_norms[0]}: its statistics are per process's batch, so N x B "
-            "and 1 x N*B differ by design (--sync-bn on GPUs)"
+            f"in training, your model's {layer} for an item depends on the rest of its batch"
         )
-    elif p["stateful"] or (p["batch_dependent"] and not p["random_in_training"]):
-        what = "output for an item depends on the rest of its batch"
-        if p["stateful"]:
-            what = f"{p['stateful'][0]} keeps state that training moves"
-        why.append(f"in training, your model's {what}: per process, by design")
-    if p["random_in_training"]:
-        names = [m for m in p["modules"] if "Dropout" in m] or ["random draws in training"]
-        why.append(f"it has {names[0]}: each process draws its own random numbers")
-    if random_reads:
-        why.append("your Dataset draws random numbers as it reads: each process its own")
-    return "; ".join(why)
+    if n["random"]:
+        why.append("your model draws random numbers in training, outside dropout")
+    if train["own_draws"]:
+        why.append("your Dataset draws from generators of its own, which the check cannot seed")
+    return "; ".join(why) + (": each process its own, by design" if why else "")
 
 
 def loss_mixes_items(p: dict) -> bool:
@@ -645,22 +664,24 @@ def loss_mixes_items(p: dict) -> bool:
 
 
 def check_equivalence(c: CopyCheck) -> Verdict:
-    one_process = c.results["python"].weights
-    gap = {name: weights_gap(c.results[name].weights, one_process) for name in ("spawn", "accum")}
-    control = weights_gap(c.results["grad_x2"].weights, one_process)  # (the same, at 2 x --lr)
+    one_process = c.results["single"].weights
+    gap = {name: weights_gap(c.results[name].weights, one_process) for name in ("pair", "accum")}
+    control = weights_gap(c.results["grad_x2"].weights, one_process)  # (the same, at 2 x the rate)
+    p, train = c.probe(), c.data("single", 0)["train"]
+    neutral = neutralised(p["neutral"], train)
     figure = (
-        f"2 x {c.b} and 1 x {c.g} differ by {gap['spawn']:.1e}, 1 x {c.b} x 2 accumulated by "
+        f"2 x {c.b} and 1 x {c.g} differ by {gap['pair']:.1e}, 1 x {c.b} x 2 accumulated by "
         f"{gap['accum']:.1e} (relative, of the weights; tolerance {TOLERANCE:g}; at twice the "
         f"learning rate, as a loss summed over 2 ranks trains: {control:.1e}, which must exceed "
-        f"{100 * TOLERANCE:g} to tell; plain SGD, installed by the check)"
+        f"{100 * TOLERANCE:g} to tell; plain SGD, installed by the check"
+        + (f"; {neutral})" if neutral else ")")
     )
-    p = c.probe()
-    design = by_design(p, c.data("python", 0)["train"]["random_reads"])
+    design = differs_by_design(p["neutral"], train)
     if design and not loss_mixes_items(p):  # (a loss that mixes items does so by no design)
         return Verdict(2, "n/a", f"{figure}: {design}")
     if control < 100 * TOLERANCE:
-        return Verdict(2, "n/a", f"{figure}: the weights move too little to tell: raise --lr")
-    if max(gap["spawn"], gap["accum"]) <= TOLERANCE:
+        return Verdict(2, "n/a", f"{figure}: the weights move too little to tell")
+    if max(gap["pair"], gap["accum"]) <= TOLERANCE:
         return Verdict(2, "pass", figure)
     if check_same_data(c).status == "FAIL":
         cause = "the processes train on different data (see 4)"
@@ -668,8 +689,16 @@ def check_equivalence(c: CopyCheck) -> Verdict:
         cause = "compute_loss returns a sum, which grows with the batch (see 3)"
     elif loss_mixes_items(p):
         cause = "compute_loss's loss is not the mean over its count items (see 3)"
+    elif gap["pair"] <= TOLERANCE:
+        cause = (
+            "the loop weighs the micro-batches of an accumulated step wrongly: each mean weighs its "
+            "count over the step's count (a loss divided by --grad-accum twice?)"
+        )
     elif gap["accum"] <= TOLERANCE:
-        cause = "the processes train on different data (see 4), or their gradients are not averaged"
+        cause = (
+            "the loop weighs the ranks wrongly, or their gradients are not averaged: each rank's "
+            "mean weighs its count over the step's count, times the world size"
+        )
     else:
         cause = "the loss is not the mean over its count items (see 3)"
     return Verdict(2, "FAIL", figure, cause)
@@ -952,6 +981,9 @@ from torch.utils.data import DataLoader
 env = os.environ
 RANK = env.get("RANK", "0")
 RECORDS = env["CHECK_RECORDS"]
+# Check 2's launches run the user's loop and loss with BatchNorm at fixed statistics, dropout off
+# and the Dataset's draws seeded per item, so that N x B and 1 x N*B must train the same weights.
+NEUTRAL = "CHECK_NEUTRAL" in env
 own_write = False  # True while the wrapper writes its records: the audit leaves them out
 
 
@@ -1039,26 +1071,25 @@ def item_digest(item):
 def describe(dataset):
     """Its length, and hashes of 8 of its items spread over it, each read from a random state of
     its index (an augmenting Dataset's too), and again from another (where the two differ, the
-    Dataset draws random numbers as it reads)."""
+    Dataset draws random numbers as it reads). A third read from the first state tells whether
+    the draws come from generators of the Dataset's own, which no seed outside reaches."""
     if dataset is None or not hasattr(dataset, "__len__"):
         return None
     n = len(dataset)
     picked = sorted({i * (n - 1) // 7 for i in range(8)}) if n else []
-    numpy = sys.modules.get("numpy")
-    states = torch.get_rng_state(), random.getstate(), numpy and numpy.random.get_state()
-    digests, random_reads = [], False
+    states = random_states()
+    digests, random_reads, own_draws = [], False, False
     for i in picked:
-        twice = []
-        for seed in (i, i + 1):
+        reads = []
+        for seed in (i, i + 1, i):
             seed_all(seed)
-            twice.append(item_digest(dataset[i]))
-        digests.append(twice[0])
-        random_reads |= twice[0] != twice[1]
-    torch.set_rng_state(states[0])
-    random.setstate(states[1])
-    if numpy:
-        numpy.random.set_state(states[2])
-    return {"len": n, "picked": picked, "digests": digests, "random_reads": random_reads}
+            reads.append(item_digest(dataset[i]))
+        digests.append(reads[0])
+        random_reads |= reads[0] != reads[1]
+        own_draws |= reads[0] != reads[2]
+    set_random_states(states)
+    described = {"len": n, "picked": picked, "digests": digests, "random_reads": random_reads}
+    return described | {"own_draws": own_draws}
 
 
 class Recorded(torch.utils.data.Dataset):
@@ -1071,9 +1102,11 @@ class Recorded(torch.utils.data.Dataset):
         return self.size
 
     def __getitem__(self, i):
-        return self.dataset[i]
+        return read_item(self.dataset, i) if NEUTRAL else self.dataset[i]
 
     def __getitems__(self, indices):
+        if NEUTRAL:
+            return read_items(self.dataset, indices)
         if callable(getattr(self.dataset, "__getitems__", None)):
             return self.dataset.__getitems__(indices)
         return [self.dataset[i] for i in indices]
@@ -1170,6 +1203,8 @@ def install(target):
 
     def build_model(args):
         model = task["build_model"](args)
+        if NEUTRAL and batch_norms(model):
+            freeze_batch_norms(model, torch.load(env["CHECK_CALIBRATED"], weights_only=True))
         if "CHECK_INITIAL" in env and RANK == "0":  # (rank 0's: the weights DDP sends to all)
             torch.save(model.state_dict(), os.path.join(RECORDS, "initial.pt"))
         return model
@@ -1193,6 +1228,8 @@ def install(target):
     target.build_datasets, target.build_model = build_datasets, build_model
     target.compute_loss, target.report = compute_loss, report
     target.DataLoader = RecordedLoader
+    if NEUTRAL:
+        switch_off_dropout()
     if "CHECK_SGD" in env:  # plain SGD at the check's rate (x CHECK_SGD): a gradient's scale shows
         rate = float(env["CHECK_RATE"]) * float(env["CHECK_SGD"])
 
@@ -1227,23 +1264,8 @@ def to_float64(batch):
 
 
 def read(dataset, indices):
-    """Items as the DataLoader fetches them. Each item is read from a random state of its own
-    index, so a Dataset that draws random numbers gives an item the same values each time, alone
-    or in a batch. A Dataset with __getitems__, such as torch's Subset, reads one index at a time,
-    and the parts are joined into the batch that it would give."""
-    reads_batches = callable(getattr(dataset.dataset, "__getitems__", None))
-    parts = []
-    for i in indices:
-        seed_all(i)
-        parts.append(dataset.__getitems__([i]) if reads_batches else dataset[i])
-    if not reads_batches:
-        return parts
-    if all(isinstance(part, list) for part in parts):  # a list of items, as Subset gives
-        return [item for part in parts for item in part]
-    if all(isinstance(part, tuple) and all(map(torch.is_tensor, part)) for part in parts):
-        return tuple(torch.cat(fields) for fields in zip(*parts))  # a batch of tensors
-    seed_all(indices[0])  # (a batch of another kind: read at once, from one random state)
-    return dataset.__getitems__(indices)
+    """Items of a Recorded set, as read_items reads them."""
+    return read_items(dataset.dataset, indices)
 
 
 def seed_all(seed):
@@ -1253,17 +1275,162 @@ def seed_all(seed):
         sys.modules["numpy"].random.seed(seed)
 
 
+def random_states():
+    numpy = sys.modules.get("numpy")
+    return torch.get_rng_state(), random.getstate(), numpy and numpy.random.get_state()
+
+
+def set_random_states(states):
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    if states[2] is not None:
+        sys.modules["numpy"].random.set_state(states[2])
+
+
+def read_items(dataset, indices):
+    """Items as the DataLoader fetches them. Each item is read from a random state of its own
+    index, so a Dataset that draws random numbers gives an item the same values each time, alone
+    or in a batch, in any process. A Dataset with __getitems__, such as torch's Subset, reads one
+    index at a time, and the parts are joined into the batch that it would give. The global
+    random state is put back afterwards."""
+    states = random_states()
+    try:
+        reads_batches = callable(getattr(dataset, "__getitems__", None))
+        parts = []
+        for i in indices:
+            seed_all(i)
+            parts.append(dataset.__getitems__([i]) if reads_batches else dataset[i])
+        if not reads_batches:
+            return parts
+        if all(isinstance(part, list) for part in parts):  # a list of items, as Subset gives
+            return [item for part in parts for item in part]
+        if all(isinstance(part, tuple) and all(map(torch.is_tensor, part)) for part in parts):
+            return tuple(torch.cat(fields) for fields in zip(*parts))  # a batch of tensors
+        seed_all(indices[0])  # (a batch of another kind: read at once, from one random state)
+        return dataset.__getitems__(indices)
+    finally:
+        set_random_states(states)
+
+
+def read_item(dataset, i):
+    """One item, read from the random state of its index, as read_items reads it."""
+    states = random_states()
+    try:
+        seed_all(i)
+        return dataset[i]
+    finally:
+        set_random_states(states)
+
+
+F = torch.nn.functional
+DROPOUT_FUNCTIONS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout")
+DROPOUT_FUNCTIONS += ("feature_alpha_dropout",)
+DROPOUT_MODULES = (torch.nn.modules.dropout._DropoutNd,)
+dropouts_seen = set()  # the dropout functions that the model called with a rate above 0
+
+
+def switch_off_dropout():
+    """Make every dropout an identity: torch's dropout functions, which nn.Dropout calls and a
+    model may call itself, and the dropout_p of F.scaled_dot_product_attention. It returns a
+    function that puts them back."""
+    originals = {name: getattr(F, name) for name in DROPOUT_FUNCTIONS}
+    originals["scaled_dot_product_attention"] = F.scaled_dot_product_attention
+
+    def identity(name):
+        def dropout(input, p=0.5, *args, **kwargs):
+            if p:
+                dropouts_seen.add(name)
+            return input
+
+        return dropout
+
+    def attention(*args, **kwargs):
+        args = list(args)
+        if len(args) > 4:  # (dropout_p is the fifth parameter)
+            rate, args[4] = args[4], 0.0
+        else:
+            rate, kwargs["dropout_p"] = kwargs.get("dropout_p", 0.0), 0.0
+        if rate:
+            dropouts_seen.add("scaled_dot_product_attention")
+        return originals["scaled_dot_product_attention"](*args, **kwargs)
+
+    for name in DROPOUT_FUNCTIONS:
+        setattr(F, name, identity(name))
+    F.scaled_dot_product_attention = attention
+    return lambda: [setattr(F, name, function) for name, function in originals.items()]
+
+
+def batch_norms(model):
+    """The BatchNorm layers that keep running statistics, by name."""
+    kind = torch.nn.modules.batchnorm._BatchNorm
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, kind) and module.running_mean is not None
+    }
+
+
+def freeze_batch_norms(model, statistics):
+    """Each BatchNorm normalises with the calibrated statistics, as in eval mode, for good: an
+    edited loop's model.train() leaves it in eval mode."""
+    for name, module in batch_norms(model).items():
+        module.running_mean.copy_(statistics[f"{name}.running_mean"])
+        module.running_var.copy_(statistics[f"{name}.running_var"])
+        module.eval()
+        module.train = lambda mode=True, module=module: module
+
+
+def initial_task(target, task, argv):
+    """The flags, the training set and the model at its initial weights, built and seeded as the
+    script builds them."""
+    args = target.parse_args(argv)
+    seed = getattr(target, "seed_everything", torch.manual_seed)
+    seed(args.seed)  # as the script seeds before build_datasets, and again before build_model
+    train_set, _ = target.build_datasets(args)
+    seed(args.seed)
+    return args, train_set, task["build_model"](args)
+
+
+def calibrate_batch_norms(target, task, argv):
+    """The statistics of each BatchNorm at the initial weights, over the first training items
+    that the launches train, with dropout off. They are an average over all those items, so
+    they normalise as well as batch statistics, and every launch gets the same ones."""
+    args, train_set, model = initial_task(target, task, argv)
+    norms = batch_norms(model)
+    for module in norms.values():
+        module.reset_running_stats()
+        module.momentum = None  # (a cumulative average over the batches)
+    model.train()
+    restore = switch_off_dropout()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(train_set), args.batch_size):
+                indices = list(range(start, min(start + args.batch_size, len(train_set))))
+                batch = target.collate_fn(read_items(train_set.dataset, indices))
+                call_task(task["compute_loss"], model, batch, args)
+    finally:
+        restore()
+    return {
+        f"{name}.{buffer}": getattr(module, buffer).clone()
+        for name, module in norms.items()
+        for buffer in ("running_mean", "running_var")
+    }
+
+
 class Losses:
     """compute_loss over batches of a Dataset at given weights: each batch in a model of its own,
     made afresh, as a fresh process computes it (a layer with state starts from the weights')."""
 
-    def __init__(self, args, task, collate_fn):
+    def __init__(self, args, task, collate_fn, statistics=None):
         self.args, self.task, self.collate_fn = args, task, collate_fn
+        self.statistics = statistics  # BatchNorm's calibrated statistics, as check 2 fixes them
 
     def model(self, weights, train, float64=False):
         model = self.task["build_model"](self.args)
         model.load_state_dict(torch.load(weights, weights_only=True))
         model.train(train)
+        if self.statistics is not None:
+            freeze_batch_norms(model, self.statistics)
         return model.double() if float64 else model
 
     def mean(self, weights, train, dataset, batches, float64=False, seed=0):
@@ -1342,7 +1509,76 @@ def probe(target, task, argv, inputs):
             per_item = [[i] for i in range(len(eval_set))]
             (found["eval_loss"], _), _ = losses.mean_float64(final, False, eval_set, per_item)
     found["load_error"] = load_error(task["build_model"](args), final)
+    found["neutral"] = neutral_figures(losses, inputs, train_set)
     return found
+
+
+def neutral_figures(losses, inputs, train_set):
+    """What check 2's launches neutralise, and what still differs from process to process there:
+    BatchNorm at the calibrated statistics, dropout off, and each item read from its own random
+    state."""
+    path = inputs["calibrated"]
+    statistics = torch.load(path, weights_only=True) if os.path.exists(path) else {}
+    neutral = Losses(losses.args, losses.task, losses.collate_fn, statistics)
+    initial, micro_batch = inputs["initial"], inputs["first_step"][0]
+    model = neutral.model(initial, True)
+    found = {
+        "batch_norms": collections.Counter(type(m).__name__ for m in batch_norms(model).values()),
+        "dropouts": sum(isinstance(m, DROPOUT_MODULES) for m in model.modules()),
+    }
+    dropouts_seen.clear()
+    restore = switch_off_dropout()
+    try:
+        with torch.no_grad():
+            draws = [
+                neutral.mean(initial, True, train_set, [micro_batch], seed=s)[0] for s in (1, 2)
+            ]
+            found["random"] = draws[0] != draws[1]
+            try:
+                alone = neutral.mean(initial, True, train_set, [[i] for i in micro_batch])[0]
+                found["mixing"] = abs(alone - draws[0]) > 1e-5 * abs(draws[0])
+            except Exception:  # (a layer that mixes items may refuse a batch of one)
+                found["mixing"] = True
+            found["mixing_layer"] = None
+            if found["mixing"]:
+                found["mixing_layer"] = mixing_layer(neutral, initial, train_set, micro_batch)
+            found["stateful"] = stateful_layers(neutral, initial, train_set, micro_batch)
+    finally:
+        restore()
+    implied = {"dropout"} if found["dropouts"] else set()  # (nn.Dropout calls F.dropout)
+    found["functions"] = sorted(dropouts_seen - implied)
+    return found
+
+
+def mixing_layer(losses, weights, dataset, items):
+    """The first layer, in the order that the forward calls them, whose output for the first
+    item changes when the rest of its batch is there, or None."""
+    outputs = {}
+    for run, indices in (("batch", items), ("alone", items[:1])):
+        model, outputs[run] = losses.model(weights, True), []
+        leaves = [m for m in model.modules() if not list(m.children())]
+        hooks = [
+            m.register_forward_hook(lambda m, i, o, run=run: outputs[run].append((m, o)))
+            for m in leaves
+        ]
+        seed_all(0)
+        try:
+            batch = losses.collate_fn(read(dataset, indices))
+            call_task(losses.task["compute_loss"], model, batch, losses.args)
+        except Exception:
+            return None
+        finally:
+            for hook in hooks:
+                hook.remove()
+    for (module, together), (_, alone) in zip(outputs["batch"], outputs["alone"]):
+        if not (torch.is_tensor(together) and torch.is_tensor(alone)) or together.dim() == 0:
+            continue
+        if together.dim() != alone.dim():
+            continue
+        first = together[tuple(slice(0, size) for size in alone.shape)]
+        if first.shape == alone.shape and not torch.allclose(first, alone, rtol=1e-4, atol=1e-5):
+            return type(module).__name__
+    return None
 
 
 def sgd_rate(target, task, argv):
@@ -1350,12 +1586,7 @@ def sgd_rate(target, task, argv):
     1% of their norm, so SGD cannot diverge where the user's --lr suits another optimizer, such as
     Adadelta's 1.0. Every launch gets the same rate, so a loss summed over the ranks still trains
     twice as fast as a mean."""
-    args = target.parse_args(argv)
-    seed = getattr(target, "seed_everything", torch.manual_seed)
-    seed(args.seed)  # as the script seeds before build_datasets, and again before build_model
-    train_set, _ = target.build_datasets(args)
-    seed(args.seed)
-    model = task["build_model"](args)
+    args, train_set, model = initial_task(target, task, argv)
     model.train()
     batch = target.collate_fn(read(train_set, list(range(min(len(train_set), args.batch_size)))))
     output = call_task(task["compute_loss"], model, batch, args)
@@ -1395,6 +1626,7 @@ if __name__ == "__main__":
     task = install(target)
     if "CHECK_RATE_PROBE" in env:
         record("rate.json", json.dumps(sgd_rate(target, task, sys.argv[1:])))
+        torch.save(calibrate_batch_norms(target, task, sys.argv[1:]), f"{RECORDS}/calibrated.pt")
         sys.exit(0)
     if "CHECK_PROBE" in env:
         with open(env["CHECK_PROBE"]) as f:

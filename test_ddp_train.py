@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 import ddp_train
 from check_copy import (
+    CHECK_TIMEOUT,
     PY,
     ROOT,
     SCRIPT,
@@ -1047,7 +1048,8 @@ def test_every_readme_block_works_as_written(tmp_path):
             slots = 0 if "make check" in line else processes(line.split())
             env = clean_env(PYTHONPATH=None)
             with Launch(cmd, tmp_path, f"block{ran}", env=env, cwd=repo, slots=slots) as r:
-                assert r.wait(240) == 0, f"{line}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+                limit = CHECK_TIMEOUT if "make check" in line else 240
+                assert r.wait(limit) == 0, f"{line}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
             ran += 1
     assert ran >= 7, ran
     # TensorBoard: a scalar for every number of every record kind, from one writer (rank 0's) only
@@ -1488,7 +1490,29 @@ def compute_loss(model, batch):  # the mean of each sequence's token mean: not o
 ddp_train.compute_loss = compute_loss
 """,
     ),
-    "no-set-epoch": ({8: "set_epoch"}, None),  # ddp_train.py itself, without its set_epoch line
+    # These are ddp_train.py itself, with one line of its loop edited.
+    "no-set-epoch": (
+        {8: "set_epoch"},
+        ("        state.sampler.set_epoch(epoch)", "        pass  # (no set_epoch)"),
+    ),
+    "double-accum": (
+        {2: "--grad-accum twice"},
+        (
+            "            weight = count * world.world_size / progress.expected_count",
+            "            weight = count * world.world_size / progress.expected_count"
+            " / state.plan.grad_accum",
+        ),
+    ),
+    "digits-summed-loss": (
+        {2: "a sum"},
+        """
+import digits
+def compute_loss(model, batch):
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs), targets, reduction="sum"), len(targets)
+ddp_train.compute_loss = compute_loss
+""",
+    ),
     "own-generator": (
         {5: "does not hold"},
         """
@@ -1513,6 +1537,43 @@ ddp_train.compute_loss = compute_loss
 """,
     ),
 }
+# A small ResNet: convolutions, BatchNorm and residual blocks, on images that the Dataset augments
+# with torch, random and numpy as it reads them.
+RESNET = """
+import numpy
+class Block(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(out)))
+class Images(torch.utils.data.Dataset):
+    def __init__(self, size, augment):
+        generator = torch.Generator().manual_seed(size)
+        self.images = torch.randn(size, 3, 8, 8, generator=generator)
+        self.labels = torch.randint(0, CLASSES, (size,), generator=generator)
+        self.augment = augment
+    def __len__(self):
+        return len(self.labels)
+    def __getitem__(self, i):
+        image = self.images[i]
+        if self.augment:
+            image = image.flip(2) if random.random() < 0.5 else image
+            image = image * float(numpy.random.uniform(0.8, 1.2)) + 0.1 * torch.randn(image.shape)
+        return image, self.labels[i]
+def build_datasets(args):
+    return Images(256, augment=True), Images(64, augment=False)
+def build_model(args):
+    stem = [nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]
+    head = [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, CLASSES)]
+    return nn.Sequential(*stem, Block(16), Block(16), *head)
+ddp_train.build_datasets, ddp_train.build_model = build_datasets, build_model
+"""
+COPY_ARGS = {"resnet-workers": ["--workers", 2]}
 CORRECT_COPIES = {  # that differ from the default task by design: the check passes them
     "dropout": """
 def build_model(args):
@@ -1557,6 +1618,16 @@ def build_datasets(args):  # random_split gives a Subset, which reads a batch wi
     return train_part, eval_set
 ddp_train.build_datasets = build_datasets
 """,
+    "batch-mixer": """
+class BatchCentre(nn.Module):  # It centres each feature over the batch, a normaliser of its own.
+    def forward(self, x):
+        return x - x.mean(0) if self.training else x
+def build_model(args):
+    return nn.Sequential(BatchCentre(), model_default(args))
+ddp_train.build_model = build_model
+""",
+    "resnet": RESNET,
+    "resnet-workers": RESNET,
     "per-rank-init": """
 def build_model(args):
     torch.manual_seed(1000 + int(os.environ.get("RANK", 0)))  # each rank its own initial weights
@@ -1566,17 +1637,19 @@ ddp_train.build_model = build_model
 }
 
 
-def write_copy(directory: Path, name: str, body: str | None) -> Path:
-    """A copy of a task in a project directory of its own: NAME.py beside tinylm.py (and beside
-    ddp_train.py, which it imports from the repository, or which it is where body is None)."""
+def write_copy(directory: Path, name: str, body: str | tuple) -> Path:
+    """A copy of a task in a project directory of its own: NAME.py beside tinylm.py and digits.py.
+    A body of text imports ddp_train.py from the repository. A body of (line, new line) is a copy
+    of ddp_train.py itself, with that line of its loop edited."""
     directory.mkdir()
-    shutil.copy(ROOT / "examples/tinylm.py", directory)
+    for example in ("tinylm.py", "digits.py"):
+        shutil.copy(ROOT / "examples" / example, directory)
     script = directory / f"{name.replace('-', '_')}.py"
-    if body is None:
+    if isinstance(body, tuple):
         source = Path(SCRIPT).read_text()
-        line = "        state.sampler.set_epoch(epoch)"
+        line, new_line = body
         assert line in source
-        script.write_text(source.replace(line, "        pass  # (no set_epoch)"))
+        script.write_text(source.replace(line, new_line))
     else:
         script.write_text(COPY_HEAD + body + COPY_TAIL)
     return script
@@ -1587,7 +1660,7 @@ def make_check(tmp_path, script, args=(), checks=()) -> tuple[int, dict, str]:
     cmd = [PY, ROOT / "check_copy.py", script, f"--args={shlex.join(map(str, args))}"]
     cmd += [f"--checks={','.join(map(str, checks))}", f"--work={tmp_path / 'check'}"]
     with Launch(cmd, tmp_path, "make-check", slots=0) as launch:  # (its launches take theirs)
-        code = launch.wait(timeout=300)
+        code = launch.wait(timeout=CHECK_TIMEOUT)
     lines = {}
     for line in launch.stdout.splitlines():
         m = re.match(r"(pass|FAIL|n/a) +(\d)\. ", line)
@@ -1611,16 +1684,24 @@ def test_make_check_names_the_guarantee_a_broken_copy_breaks_and_why(tmp_path, c
 @pytest.mark.parametrize("copy", CORRECT_COPIES)
 def test_make_check_passes_a_correct_copy_that_differs_by_design(tmp_path, copy):
     script = write_copy(tmp_path / "project", copy, CORRECT_COPIES[copy])
-    code, lines, output = make_check(tmp_path, script)
+    code, lines, output = make_check(tmp_path, script, COPY_ARGS.get(copy, []))
     assert code == 0 and len(lines) == 8 and ", 0 fail (" in output, output
     assert all(status == "pass" for n, (status, _) in lines.items() if n != 2), output
-    # N x B and 1 x N*B differ by design where a layer is per process: said (n/a), not failed
-    layers = {"dropout": "Dropout", "batchnorm": "BatchNorm1d", "running-norm": "RunningNorm"}
-    layers["augmented-subset"] = "Dataset draws random numbers"
-    if copy in layers:
-        assert lines[2][0] == "n/a" and layers[copy] in lines[2][1], output
-    else:  # initial weights per rank: DDP sends rank 0's
+    # Check 2 neutralises BatchNorm, dropout and the Dataset's draws, and says so. A layer that
+    # still mixes a batch's items, or moves state of its own, is named in an n/a line.
+    per_process = {"running-norm": "RunningNorm", "batch-mixer": "BatchCentre"}
+    neutralised = {
+        "dropout": ["Dropout x 1 off"],
+        "batchnorm": ["BatchNorm1d x 1 at fixed statistics"],
+        "augmented-subset": ["the Dataset's draws seeded per item"],
+        "resnet": ["BatchNorm2d x 5 at fixed statistics", "the Dataset's draws seeded per item"],
+    }
+    neutralised["resnet-workers"] = neutralised["resnet"]
+    if copy in per_process:
+        assert lines[2][0] == "n/a" and per_process[copy] in lines[2][1], output
+    else:  # Initial weights per rank pass too, since DDP sends rank 0's.
         assert lines[2][0] == "pass", output
+        assert all(said in lines[2][1] for said in neutralised.get(copy, [])), output
 
 
 @pytest.mark.parametrize(
@@ -1631,15 +1712,16 @@ def test_make_check_passes_every_shipped_task(tmp_path, task):
     make = ["make", "-s", "check", f"SCRIPT={task}"]
     env = clean_env(PYTHONPATH=None)
     with Launch(make, tmp_path, "make", env=env, cwd=repo, slots=0) as launch:  # (as make_check)
-        code = launch.wait(timeout=300)
-    # N x B and 1 x N*B: equal for the default task; by design not for digits' BatchNorm, dropout
-    # and augmentation, nor for tinylm's dropout: said, and not failed
-    by_design = {"ddp_train.py": [], "examples/digits.py": ["BatchNorm2d", "Dropout", "Dataset"]}
-    layers = by_design.get(task, ["Dropout"])
-    summary = f"{8 - bool(layers)} pass, {int(bool(layers))} n/a, 0 fail"
-    assert code == 0 and summary in launch.stdout, launch.stdout + launch.stderr
-    for name in layers:
-        assert re.search(rf"^n/a +2\. .*{name}", launch.stdout, re.M), launch.stdout
+        code = launch.wait(timeout=CHECK_TIMEOUT)
+    # N x B and 1 x N*B pass on each, with what check 2 neutralised in its line.
+    assert code == 0 and "8 pass, 0 n/a, 0 fail" in launch.stdout, launch.stdout + launch.stderr
+    neutralised = {
+        "ddp_train.py": [],
+        "examples/digits.py": ["BatchNorm2d x 2 at", "Dropout x 1 off", "draws seeded per item"],
+        "examples/tinylm.py": ["Dropout x 4 off", "the dropout of scaled_dot_product_attention"],
+    }
+    for said in neutralised[task]:
+        assert re.search(rf"^pass +2\. .*{said}", launch.stdout, re.M), launch.stdout
     name = Path(task).stem  # the runs, in the project's out/ as make train's
     assert (repo / "out/check" / name / "records/torchrun/run.out").exists()
     assert not list((repo / "out/check" / name).rglob("checkpoint*.pt*"))  # (the logs stay)
