@@ -700,7 +700,11 @@ def check_equivalence(c: CopyCheck) -> Verdict:
             "mean weighs its count over the step's count, times the world size"
         )
     else:
-        cause = "the loss is not the mean over its count items (see 3)"
+        cause = (
+            "the loop weighs the micro-batches and the ranks otherwise than by their counts: each "
+            "mean weighs its count over the step's count (each mean weighed equally, as nanoGPT "
+            "weighs its ranks' token means?)"
+        )
     return Verdict(2, "FAIL", figure, cause)
 
 

@@ -1503,6 +1503,15 @@ ddp_train.compute_loss = compute_loss
             " / state.plan.grad_accum",
         ),
     ),
+    # tinylm on ddp_train.py with a loop that weighs each micro-batch's token mean the same.
+    "equal-token-means": (
+        {2: "weighed equally"},
+        (
+            "            weight = count * world.world_size / progress.expected_count",
+            "            weight = 1 / state.plan.grad_accum",
+            "tinylm.py",
+        ),
+    ),
     "digits-summed-loss": (
         {2: "a sum"},
         """
@@ -1640,16 +1649,21 @@ ddp_train.build_model = build_model
 def write_copy(directory: Path, name: str, body: str | tuple) -> Path:
     """A copy of a task in a project directory of its own: NAME.py beside tinylm.py and digits.py.
     A body of text imports ddp_train.py from the repository. A body of (line, new line) is a copy
-    of ddp_train.py itself, with that line of its loop edited."""
+    of ddp_train.py itself, with that line of its loop edited. A third item names an example,
+    which then runs on the edited copy as the project's ddp_train.py."""
     directory.mkdir()
     for example in ("tinylm.py", "digits.py"):
         shutil.copy(ROOT / "examples" / example, directory)
     script = directory / f"{name.replace('-', '_')}.py"
     if isinstance(body, tuple):
         source = Path(SCRIPT).read_text()
-        line, new_line = body
+        line, new_line, *example = body
         assert line in source
-        script.write_text(source.replace(line, new_line))
+        if example:
+            script = directory / example[0]
+            (directory / "ddp_train.py").write_text(source.replace(line, new_line))
+        else:
+            script.write_text(source.replace(line, new_line))
     else:
         script.write_text(COPY_HEAD + body + COPY_TAIL)
     return script
