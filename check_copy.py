@@ -1101,6 +1101,7 @@ class Recorded(torch.utils.data.Dataset):
 
     def __init__(self, dataset, tag, size):
         self.dataset, self.tag, self.size = dataset, tag, min(size, len(dataset))
+        self.kept = None  # The probe keeps each item that it reads here (see read_items).
 
     def __len__(self):
         return self.size
@@ -1269,7 +1270,7 @@ def to_float64(batch):
 
 def read(dataset, indices):
     """Items of a Recorded set, as read_items reads them."""
-    return read_items(dataset.dataset, indices)
+    return read_items(dataset.dataset, indices, dataset.kept)
 
 
 def seed_all(seed):
@@ -1291,19 +1292,26 @@ def set_random_states(states):
         sys.modules["numpy"].random.set_state(states[2])
 
 
-def read_items(dataset, indices):
+def read_items(dataset, indices, kept=None):
     """Items as the DataLoader fetches them. Each item is read from a random state of its own
     index, so a Dataset that draws random numbers gives an item the same values each time, alone
     or in a batch, in any process. A Dataset with __getitems__, such as torch's Subset, reads one
     index at a time, and the parts are joined into the batch that it would give. The global
-    random state is put back afterwards."""
+    random state is put back afterwards. Where `kept` is a dict, an item is read only once and
+    kept there by its index. The probe compares losses over the same items in several batches,
+    and a Dataset that draws from generators of its own gives new values at every read."""
     states = random_states()
     try:
         reads_batches = callable(getattr(dataset, "__getitems__", None))
         parts = []
         for i in indices:
+            if kept is not None and i in kept:
+                parts.append(kept[i])
+                continue
             seed_all(i)
             parts.append(dataset.__getitems__([i]) if reads_batches else dataset[i])
+            if kept is not None:
+                kept[i] = parts[-1]
         if not reads_batches:
             return parts
         if all(isinstance(part, list) for part in parts):  # a list of items, as Subset gives
@@ -1468,6 +1476,7 @@ def probe(target, task, argv, inputs):
     # the Datasets as the launches had them (install()'s build_datasets: their first items); the
     # model and compute_loss the user's own (task)
     train_set, eval_set = target.build_datasets(args)
+    train_set.kept = {}  # Each figure below compares losses over the same items, read once.
     losses = Losses(args, task, target.collate_fn)
     initial, final, micro_batches = inputs["initial"], inputs["final"], inputs["first_step"]
     items = [i for batch in micro_batches for i in batch]
