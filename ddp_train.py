@@ -162,8 +162,8 @@ def build_optimizer(args, model, plan=None):
     """Return one optimizer, or a list of them.
 
     The plan holds global_batch, steps_per_epoch and total_steps. A resume on another world size
-    keeps the global batch, so a rate that scales with plan.global_batch stays the same. The default is AdamW as nanoGPT sets it up. It applies --weight-decay only to the matrices and
-    embeddings, not to biases and norms. The fused AdamW updates all parameters in one kernel."""
+    keeps the global batch, so a rate that scales with it stays the same. The default is nanoGPT's
+    AdamW. It decays only the matrices and embeddings, and one fused kernel updates every weight."""
     params = list(model.parameters())
     decayed = [p for p in params if p.dim() >= 2]
     not_decayed = [p for p in params if p.dim() < 2]
