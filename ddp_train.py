@@ -21,7 +21,7 @@ Read it from top to bottom. It has four sections.
   4. The helpers come last. They hold the flags, the launchers' plumbing and small functions. A
      first read can skip them.
 Each line that DDP adds to a plain training loop is marked "DDP:". Each classic trap is marked
-"Trap:".
+"Trap:", and docs/guarantees.md names the test that guards each trap.
 """
 
 import argparse
@@ -49,11 +49,11 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-# Trap: Keep this import here, before any process group exists. The functions of this module take
-# the default group (group.WORLD) as a default argument, and Python fixes a default argument once,
-# at import. DDP imports the module after the group exists, so the module would hold the group.
-# Then gloo's threads live on until Python exits, where one of them can abort the process with
-# "terminate called", after the run has saved. Imported now, the module holds no group.
+# Trap: Do not remove this import, although nothing here uses it. Its functions have the default
+# group=group.WORLD, which Python evaluates once, at the first import. DDP would import them after
+# init_process_group, and they would keep the group. Then gloo's threads outlive
+# cleanup_distributed(), and at exit one can abort a run that has saved ("terminate called").
+# Imported here, before any process group exists, they keep none.
 import torch.distributed.nn.functional  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -74,9 +74,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 # ====== 1. Your task: replace these ==============================================================
-
-# A task function may leave out its last parameter, as the task functions of older copies do. So
-# compute_loss(model, batch) still works, and it gets no args.
 
 # This says what compute_loss counts. It is "samples", or "tokens" for a language model.
 COUNT_UNIT = "samples"
@@ -284,10 +281,10 @@ def cleanup_distributed(world):
     gc.collect()
     if not dist.is_initialized():
         return
-    # Trap: On torch before 2.8, destroy_process_group frees gloo while it holds the GIL, and a gloo
-    # thread that needs the GIL then waits forever (pytorch#154976). So we keep a reference to
-    # gloo's backend, and destroy_process_group only drops its own. Our `del` frees the backend
-    # last, through torch's binding, which releases the GIL while gloo's threads stop.
+    # Trap: On torch before 2.8, destroy_process_group() can hang. It frees gloo's backend, which
+    # owns gloo's threads, while it holds the GIL, and a thread that waits for the GIL never stops
+    # (pytorch#154976). So we keep the backend and free it last with `del`, which releases the GIL
+    # while the threads stop. On torch 2.8 and later, these lines change nothing.
     gloo_backend = world.cpu_group._get_backend(torch.device("cpu"))
     world.cpu_group = None  # This drops the last reference, so the group goes with destroy.
     dist.destroy_process_group()  # DDP: Leave the process group.
@@ -370,7 +367,7 @@ def train(args, world):
             # All ranks save first, so that the grace period after a stop signal goes to the save.
             if save_now:
                 save_checkpoint(args, world, state)
-            # A run that stops early leaves these records in its checkpoint, for its rerun to write.
+            # A stop leaves these records in the checkpoint for its rerun. The last step has none.
             if step == plan.total_steps or not stop.should_stop:
                 evaluate_and_write_records(args, world, state, progress.records)
     return finish(args, world, state, stop)
@@ -748,7 +745,8 @@ def on_device(number, device):
 
 
 def call_task(function, *arguments):
-    """Call a task function with as many of the arguments as it takes, as section 1 allows."""
+    """Call a task function with as many of the arguments as it takes. The task functions of older
+    copies have fewer parameters, and compute_loss(model, batch) still works."""
     return function(*arguments[: count_parameters(function)])
 
 
@@ -809,6 +807,7 @@ def evaluate(args, world, model, eval_loader, autocast):
     module in eval mode, because DDP's wrapper could wait for the other ranks."""
     if world.world_size > 1:
         # DDP: Every rank evaluates the model that rank 0 saves, with rank 0's BatchNorm statistics.
+        # DDP also sends rank 0's buffers to all ranks before each forward in training.
         for buffer in model.buffers():
             dist.broadcast(buffer, 0)
     modes = [(module, module.training) for module in model.modules()]
@@ -1134,13 +1133,13 @@ def spawn(processes, argv):
 
 def round_store(timeout):
     """Return a store for this round of workers alone, or None where torchrun does not share its
-    store. It matters only where torchrun restarts workers or a node joins. Elsewhere it is cheap.
+    store. A round is one start of the workers, and torchrun starts a new round at each restart
+    and each change of nodes. Only then does the new store matter, and it costs little.
 
-    Trap: torchrun 2.5 and later keeps one store across the rounds of a job. A new round starts at
-    a restart, or when a node joins or leaves. It would find the old round's keys in the shared
-    store and wait for workers that are gone (pytorch/pytorch#135712). So rank 0 serves a new store
-    for each round, and it writes that store's port into torchrun's store. The other ranks try the
-    port until it answers. An old round's port refuses, because its rank 0 has exited."""
+    Trap: torchrun 2.5 and later keeps one store for all the rounds of a job. A new round would
+    find the old round's keys there and wait for workers that are gone (pytorch/pytorch#135712).
+    So rank 0 serves a new store for each round and writes its port into torchrun's store. The
+    other ranks try the port until it answers. An old round's port refuses, as its rank 0 exited."""
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
