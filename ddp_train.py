@@ -367,7 +367,7 @@ def train(args, world):
             # All ranks save first, so that the grace period after a stop signal goes to the save.
             if save_now:
                 save_checkpoint(args, world, state)
-            # A stop leaves these records in the checkpoint for its rerun. The last step has none.
+            # After a stop, the rerun writes these records. But no rerun follows the last step.
             if step == plan.total_steps or not stop.should_stop:
                 evaluate_and_write_records(args, world, state, progress.records)
     return finish(args, world, state, stop)
@@ -899,7 +899,7 @@ def restore_checkpoint(args, world, checkpointed, path, checkpoint):
             for obj, state in zip(objects, checkpoint[name], strict=True):
                 obj.load_state_dict(state)
     except (RuntimeError, ValueError, KeyError) as exc:
-        fail(f"{path} is of another model, optimizer or --amp: {one_line(exc)}. Use theirs")
+        fail(f"{path} is of another model, optimizer or --amp: {one_line(exc)}. Use the saved ones")
     saved_by = len(checkpoint["rng"])
     if saved_by == world.world_size:
         set_rng_state(checkpoint["rng"][world.rank])
@@ -1109,7 +1109,7 @@ def spawn(processes, argv):
         "LOCAL_WORLD_SIZE": str(processes),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(store.port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # Then round_store() works as under torchrun.
         "TORCHELASTIC_RESTART_COUNT": "0",
     }
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets this too, as the processes share cores.
