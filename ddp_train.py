@@ -11,17 +11,12 @@ these ways:
     srun --ntasks-per-node=8 --gpus-per-node=8 python ddp_train.py     # SLURM, one task per GPU
     python -m torch.distributed.launch --nproc_per_node=2 ddp_train.py  # the legacy launcher
 
-Read it from top to bottom. It has four sections.
-  1. Your task. These are its flags and functions. Edit them here, or assign your own from a
-     script that imports this file, as examples/digits.py does.
-  2. init_distributed() joins the process group, and cleanup_distributed() leaves it.
-  3. main(), train() and train_step() are the tutorials' loop, in torch's own names. The setup,
-     the state that the loop keeps and the small functions that it calls come after them, in the
-     order that they run.
-  4. The helpers come last. They hold the flags, the launchers' plumbing and small functions. A
-     first read can skip them.
-Each line that DDP adds to a plain training loop is marked "DDP:". Each classic trap is marked
-"Trap:", and docs/guarantees.md names the test that guards each trap.
+Read it from top to bottom. Section 1 is your task. Edit its flags and functions here, or assign
+your own from a script that imports this file, as examples/digits.py does. Section 2 joins the
+process group and leaves it. Section 3 is the training loop, and a first read can stop after it.
+Sections 4 to 10 hold the machinery, and each one opens with what it guarantees. Each line that DDP
+adds to a plain training loop is marked "DDP:". Each classic trap is marked "Trap:", and
+docs/guarantees.md names the test that guards each trap.
 """
 
 import argparse
@@ -231,7 +226,7 @@ def init_distributed(timeout_s):
     # peer into an error instead of a hang.
     backend = "nccl" if device.type == "cuda" else "gloo"
     try:
-        store = round_store(timeout)  # Each round of workers gets its own store (section 4).
+        store = round_store(timeout)  # Each round of workers gets its own store (section 9).
         dist.init_process_group(
             backend, timeout=timeout, store=store, rank=rank, world_size=world_size
         )
@@ -291,7 +286,10 @@ def cleanup_distributed(world):
     del gloo_backend
 
 
-# ====== 3. The loop, and what it calls ========================================================
+# ====== 3. The loop: read this section first ======================================================
+# main(), train() and train_step() are the tutorials' loop, in torch's own names. A reader who
+# stops at the end of this section has seen the whole flow. Each later section opens with what it
+# guarantees and the test that proves it, so that a first read can trust it and skip it.
 
 
 @errors.record  # Under torchrun, this puts a worker's traceback in torchrun's failure summary.
@@ -350,7 +348,7 @@ def train(args, world):
                 state.rank_sums = DeviceSums(world.device, step)  # The sums start again.
                 progress.epoch_totals.add(reduced)
                 progress.window_totals.add(reduced)
-            progress.records = []  # Eval and epoch records get eval metrics after the save.
+            progress.records = []  # This step's records wait for the save, as Progress.records says.
             where = {"step": step, "epoch": epoch + 1}
             if log_now:
                 metrics = progress.window_totals.means("train_") | {"lr": lr}
@@ -371,6 +369,67 @@ def train(args, world):
             if step == plan.total_steps or not stop.should_stop:
                 evaluate_and_write_records(args, world, state, progress.records)
     return finish(args, world, state, stop)
+
+
+def setup_training(args, world):
+    """All ranks build what training needs, in running order, and resume from a checkpoint."""
+    train_set, eval_set, model = build_task(args, world)
+    path, checkpoint = read_checkpoint(args.out_dir)
+    plan = make_plan(args, world, len(train_set), path, checkpoint)
+    optimizers = call_task(build_optimizer, args, model, plan)
+    optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    schedulers = [
+        call_task(build_scheduler, args, opt, plan.total_steps, plan) for opt in optimizers
+    ]
+    autocast, amp_dtype = make_autocast(args, world.device)
+    scaler = torch.amp.GradScaler(world.device.type, enabled=amp_dtype == torch.float16)
+    checkpointed = {"model": [model], "optimizers": optimizers, "schedulers": schedulers}
+    checkpointed["scaler"] = [scaler]
+    progress = Progress(expected_count=plan.global_batch if COUNT_UNIT == "samples" else None)
+    # DDP: Each rank gets a random stream of its own, so that dropout differs between the ranks.
+    seed_everything(args.seed + 1 + world.rank)
+    if checkpoint:
+        progress = restore_checkpoint(args, world, checkpointed, path, checkpoint)
+    # The parts now hold what they need, so we drop the file. On GPUs this frees its pages before
+    # the workers start. On the CPU, a restored optimizer keeps the loaded tensors as its state.
+    del checkpoint
+    # DDP: Each rank reads its own share of each epoch's shuffle. drop_last makes the shares equal.
+    sampler = DistributedSampler(
+        train_set, world.world_size, world.rank, seed=args.seed, drop_last=True
+    )
+    batch_sampler = ResumableBatchSampler(sampler, args.batch_size, plan)
+    loader = DataLoader(train_set, batch_sampler=batch_sampler, **loader_options(args, world))
+    eval_loader = make_eval_loader(args, world, eval_set)
+    # Trap: The workers start now, once, before any collective. On Python before 3.12, a fork while
+    # a gloo or NCCL thread frees a finished collective can deadlock the child (CPython #112275).
+    start_workers(loader)
+    start_workers(eval_loader)
+    check_same_start(world, progress.step)
+    ddp_model = model
+    if world.world_size > 1:
+        # DDP: The wrap broadcasts rank 0's weights. Then it averages the gradients in buckets.
+        ddp_model = DDP(
+            model,
+            find_unused_parameters=args.find_unused_parameters,
+            gradient_as_bucket_view=True,
+        )
+    forward_model = torch.compile(ddp_model) if args.compile else ddp_model
+    if world.rank == 0:  # Rank 0 writes only now, after every check, so a mistake writes nothing.
+        os.makedirs(args.out_dir, exist_ok=True)
+        written = drop_records_after(progress.step, args.out_dir)  # No record is written twice.
+        progress.records = [r for r in progress.records if r["kind"] not in written]
+    # All ranks take rank 0's list of records, since every rank evaluates for them.
+    if world.world_size > 1:
+        unwritten = [progress.records]
+        dist.broadcast_object_list(unwritten, src=0, group=world.cpu_group)
+        progress.records = unwritten[0]
+    return TrainState(
+        plan=plan, progress=progress, raw_model=model, ddp_model=ddp_model,
+        forward_model=forward_model, checkpointed=checkpointed, optimizers=optimizers,
+        schedulers=schedulers, scaler=scaler, autocast=autocast, sampler=sampler,
+        batch_sampler=batch_sampler, loader=loader, eval_loader=eval_loader,
+        rank_sums=DeviceSums(world.device, progress.step),
+    )  # fmt: skip
 
 
 def train_step(args, world, state, micro_batches, want_norm):
@@ -448,114 +507,25 @@ def finish(args, world, state, stop):
     return 75 if stopped_early else 0
 
 
-def setup_training(args, world):
-    """All ranks build what training needs, in running order, and resume from a checkpoint."""
-    train_set, eval_set, model = build_task(args, world)
-    path, checkpoint = read_checkpoint(args.out_dir)
-    plan = make_plan(args, world, len(train_set), path, checkpoint)
-    optimizers = call_task(build_optimizer, args, model, plan)
-    optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    schedulers = [
-        call_task(build_scheduler, args, opt, plan.total_steps, plan) for opt in optimizers
-    ]
-    autocast, amp_dtype = make_autocast(args, world.device)
-    scaler = torch.amp.GradScaler(world.device.type, enabled=amp_dtype == torch.float16)
-    checkpointed = {"model": [model], "optimizers": optimizers, "schedulers": schedulers}
-    checkpointed["scaler"] = [scaler]
-    progress = Progress(expected_count=plan.global_batch if COUNT_UNIT == "samples" else None)
-    # DDP: Each rank gets a random stream of its own, so that dropout differs between the ranks.
-    seed_everything(args.seed + 1 + world.rank)
-    if checkpoint:
-        progress = restore_checkpoint(args, world, checkpointed, path, checkpoint)
-    # The parts now hold what they need, so we drop the file. On GPUs this frees its pages before
-    # the workers start. On the CPU, a restored optimizer keeps the loaded tensors as its state.
-    del checkpoint
-    # DDP: Each rank reads its own share of each epoch's shuffle. drop_last makes the shares equal.
-    sampler = DistributedSampler(
-        train_set, world.world_size, world.rank, seed=args.seed, drop_last=True
-    )
-    batch_sampler = ResumableBatchSampler(sampler, args.batch_size, plan)
-    loader = DataLoader(train_set, batch_sampler=batch_sampler, **loader_options(args, world))
-    eval_loader = make_eval_loader(args, world, eval_set)
-    # Trap: The workers start now, once, before any collective. On Python before 3.12, a fork while
-    # a gloo or NCCL thread frees a finished collective can deadlock the child (CPython #112275).
-    start_workers(loader)
-    start_workers(eval_loader)
-    check_same_start(world, progress.step)
-    ddp_model = model
-    if world.world_size > 1:
-        # DDP: The wrap broadcasts rank 0's weights. Then it averages the gradients in buckets.
-        ddp_model = DDP(
-            model,
-            find_unused_parameters=args.find_unused_parameters,
-            gradient_as_bucket_view=True,
-        )
-    forward_model = torch.compile(ddp_model) if args.compile else ddp_model
-    if world.rank == 0:  # Rank 0 writes only now, after every check, so a mistake writes nothing.
-        os.makedirs(args.out_dir, exist_ok=True)
-        written = drop_records_after(progress.step, args.out_dir)  # No record is written twice.
-        progress.records = [r for r in progress.records if r["kind"] not in written]
-    # All ranks take rank 0's list of records, since every rank evaluates for them.
-    if world.world_size > 1:
-        unwritten = [progress.records]
-        dist.broadcast_object_list(unwritten, src=0, group=world.cpu_group)
-        progress.records = unwritten[0]
-    return TrainState(
-        plan=plan, progress=progress, raw_model=model, ddp_model=ddp_model,
-        forward_model=forward_model, checkpointed=checkpointed, optimizers=optimizers,
-        schedulers=schedulers, scaler=scaler, autocast=autocast, sampler=sampler,
-        batch_sampler=batch_sampler, loader=loader, eval_loader=eval_loader,
-        rank_sums=DeviceSums(world.device, progress.step),
-    )  # fmt: skip
+@dataclasses.dataclass
+class TrainState:
+    """Everything that training holds. setup_training() makes it, in running order."""
 
-
-def build_task(args, world):
-    """Return (train_set, eval_set, model). They are the same on every rank and world size."""
-    seed_everything(args.seed)  # This comes first, so a random split agrees across the ranks.
-    train_set, eval_set = build_datasets(args)
-    eval_set = eval_set or []
-    check_datasets(train_set, eval_set)
-    seed_everything(args.seed)  # This gives the same initial weights on any world size.
-    model = build_model(args).to(world.device)
-    if args.sync_bn:
-        check(world.device.type == "cuda", "--sync-bn needs GPUs (SyncBatchNorm runs on CUDA)")
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return train_set, eval_set, model
-
-
-def make_plan(args, world, train_size, path, checkpoint):
-    # DDP: A step's global batch is --batch-size times the world size times the accumulation. A run
-    # that resumes on another world size keeps its global batch and changes its accumulation.
-    # nanoGPT does the same when it divides its accumulation by the world size.
-    global_batch = args.batch_size * world.world_size * args.grad_accum
-    if checkpoint and checkpoint["global_batch"] != global_batch:
-        if checkpoint["world_size"] == world.world_size:  # Here the flags differ, not the world.
-            fail(
-                f"{path} trained with a global batch of {checkpoint['global_batch']}, "
-                f"this run's is {global_batch}: pass the same --batch-size and --grad-accum, "
-                "or another --out-dir"
-            )
-        global_batch = checkpoint["global_batch"]  # On another world, the accumulation follows.
-    grad_accum, rest = divmod(global_batch, args.batch_size * world.world_size)
-    if not grad_accum or rest:
-        per_process = global_batch // world.world_size
-        hint = "" if global_batch % world.world_size == 0 else ", on a world size that divides it"
-        fail(
-            f"the global batch of {global_batch} is not {world.world_size} processes x "
-            f"--batch-size {args.batch_size} x a whole accumulation: "
-            "pass a --batch-size that divides "
-            f"{per_process}{hint}"
-        )
-    # Every step is a full global batch. So an epoch leaves out its last, incomplete batch, as in
-    # nanoGPT.
-    steps_per_epoch = train_size // global_batch
-    check(
-        steps_per_epoch > 0,
-        f"the {train_size} training samples do not fill one global batch of {global_batch}: "
-        "lower --batch-size or --grad-accum",
-    )
-    total_steps = args.max_steps or args.epochs * steps_per_epoch
-    return Plan(global_batch, grad_accum, steps_per_epoch, total_steps)
+    plan: "Plan"
+    progress: "Progress"
+    raw_model: nn.Module  # We save and evaluate the raw module, and report() gets it.
+    ddp_model: nn.Module  # DDP's wrapper gives no_sync(). A single process has the raw module here.
+    forward_model: nn.Module  # compute_loss trains this: the DDP model, or its compiled one.
+    checkpointed: dict  # A checkpoint saves and restores these stateful parts, by name.
+    optimizers: list
+    schedulers: list
+    scaler: torch.amp.GradScaler  # It scales fp16's loss, and it is disabled otherwise.
+    autocast: object  # This is --amp's autocast, or a context that does nothing.
+    sampler: DistributedSampler
+    batch_sampler: "ResumableBatchSampler"
+    loader: DataLoader
+    eval_loader: DataLoader
+    rank_sums: "DeviceSums"  # These are this rank's sums since the last loss all_reduce.
 
 
 @dataclasses.dataclass
@@ -619,49 +589,41 @@ class Progress:
         return progress
 
 
-@dataclasses.dataclass
-class TrainState:
-    """Everything that training holds. setup_training() makes it, in running order."""
-
-    plan: Plan
-    progress: Progress
-    raw_model: nn.Module  # We save and evaluate the raw module, and report() gets it.
-    ddp_model: nn.Module  # DDP's wrapper gives no_sync(). A single process has the raw module here.
-    forward_model: nn.Module  # compute_loss trains this: the DDP model, or its compiled one.
-    checkpointed: dict  # A checkpoint saves and restores these stateful parts, by name.
-    optimizers: list
-    schedulers: list
-    scaler: torch.amp.GradScaler  # It scales fp16's loss, and it is disabled otherwise.
-    autocast: object  # This is --amp's autocast, or a context that does nothing.
-    sampler: DistributedSampler
-    batch_sampler: "ResumableBatchSampler"
-    loader: DataLoader
-    eval_loader: DataLoader
-    rank_sums: "DeviceSums"  # These are this rank's sums since the last loss all_reduce.
+# ====== 4. Exact means ============================================================================
+# The gradient and the logged figures are exact means over all the items of a step. The test
+# test_n_processes_x_b_with_accumulation_equal_one_process_x_n_times_b proves it.
 
 
-class ResumableBatchSampler:
-    """The training DataLoader's batch_sampler. It gives this rank's micro-batches of an epoch.
+# The script logs these names itself, as train_loss, eval_samples and so on.
+RESERVED_METRICS = {"loss", "samples", "tokens"}
 
-    Step s of an epoch trains the stretch of the shuffle from s times the global batch to s + 1
-    times the global batch. This rank's share of that stretch is the same stretch of its own
-    DistributedSampler share. It is cut into micro-batches of --batch-size. A resumed epoch sets
-    skip_steps, and then the first micro-batch is the one that the run stopped before."""
 
-    def __init__(self, sampler, batch_size, plan):
-        self.sampler, self.batch_size = sampler, batch_size
-        self.per_step = plan.grad_accum * batch_size  # This counts this rank's samples in a step.
-        self.steps_per_epoch = plan.steps_per_epoch
-        self.skip_steps = 0  # A resumed epoch leaves out the steps that it has trained.
+def unpack_loss(output):
+    """Check the result of compute_loss, and return it as (loss, count, metrics).
 
-    def __iter__(self):
-        share = list(self.sampler)
-        end = self.steps_per_epoch * self.per_step
-        for start in range(self.skip_steps * self.per_step, end, self.batch_size):
-            yield share[start : start + self.batch_size]
-
-    def __len__(self):
-        return (self.steps_per_epoch - self.skip_steps) * self.per_step // self.batch_size
+    A mean over no items is 0/0, which is NaN. Such a mean weighs nothing, so the loss and each
+    metric become 0 there. Then NaN never reaches a sum."""
+    loss, count, metrics = output, None, None
+    if isinstance(output, tuple) and len(output) == 2:
+        loss, count, metrics = *output, {}
+    elif isinstance(output, tuple) and len(output) == 3:
+        loss, count, metrics = output
+    if not (torch.is_tensor(loss) and loss.ndim == 0 and isinstance(metrics, dict)):
+        shape = f", a loss of shape {list(loss.shape)}: its mean" if torch.is_tensor(loss) else ""
+        fail(
+            "compute_loss must return (loss, count) or (loss, count, {name: mean}): loss the mean "
+            f"over count items, a 0-dim tensor; it returned {type(output).__name__}{shape}"
+        )
+    if not RESERVED_METRICS.isdisjoint(metrics):
+        taken = sorted(RESERVED_METRICS.intersection(metrics))
+        fail(f"compute_loss's metric {taken[0]!r} is one of the script's own names: rename it")
+    if torch.is_tensor(count):
+        loss = torch.where(count > 0, loss, 0.0)
+        metrics = {name: torch.where(count > 0, mean, 0.0) for name, mean in metrics.items()}
+    elif not count:
+        loss = loss.nan_to_num()
+        metrics = {name: torch.as_tensor(mean).nan_to_num() for name, mean in metrics.items()}
+    return loss, count, metrics
 
 
 class DeviceSums:
@@ -744,58 +706,9 @@ def on_device(number, device):
     return host.to(device, non_blocking=True)
 
 
-def call_task(function, *arguments):
-    """Call a task function with as many of the arguments as it takes. The task functions of older
-    copies have fewer parameters, and compute_loss(model, batch) still works."""
-    return function(*arguments[: count_parameters(function)])
-
-
-@functools.cache
-def count_parameters(function):
-    """The cache keeps inspect's slow reading of a signature out of every step."""
-    return len(inspect.signature(function).parameters)
-
-
-def unpack_loss(output):
-    """Check the result of compute_loss, and return it as (loss, count, metrics).
-
-    A mean over no items is 0/0, which is NaN. Such a mean weighs nothing, so the loss and each
-    metric become 0 there. Then NaN never reaches a sum."""
-    loss, count, metrics = output, None, None
-    if isinstance(output, tuple) and len(output) == 2:
-        loss, count, metrics = *output, {}
-    elif isinstance(output, tuple) and len(output) == 3:
-        loss, count, metrics = output
-    if not (torch.is_tensor(loss) and loss.ndim == 0 and isinstance(metrics, dict)):
-        shape = f", a loss of shape {list(loss.shape)}: its mean" if torch.is_tensor(loss) else ""
-        fail(
-            "compute_loss must return (loss, count) or (loss, count, {name: mean}): loss the mean "
-            f"over count items, a 0-dim tensor; it returned {type(output).__name__}{shape}"
-        )
-    if not RESERVED_METRICS.isdisjoint(metrics):
-        taken = sorted(RESERVED_METRICS.intersection(metrics))
-        fail(f"compute_loss's metric {taken[0]!r} is one of the script's own names: rename it")
-    if torch.is_tensor(count):
-        loss = torch.where(count > 0, loss, 0.0)
-        metrics = {name: torch.where(count > 0, mean, 0.0) for name, mean in metrics.items()}
-    elif not count:
-        loss = loss.nan_to_num()
-        metrics = {name: torch.as_tensor(mean).nan_to_num() for name, mean in metrics.items()}
-    return loss, count, metrics
-
-
-def epoch_metrics(world, state, epoch, lr, epoch_started):
-    """Return an epoch record's training metrics: its means, its items and its seconds."""
-    totals, plan = state.progress.epoch_totals, state.plan
-    steps = state.progress.step - epoch * plan.steps_per_epoch
-    return {
-        **totals.means("train_"),
-        f"train_{COUNT_UNIT}": totals.count,
-        "lr": lr,
-        "train_samples": steps * plan.global_batch,
-        "world_size": world.world_size,
-        "epoch_s": time.perf_counter() - epoch_started,
-    }
+# ====== 5. Evaluation and records =================================================================
+# Evaluation counts each eval sample once, on any world size. The test
+# test_evaluation_counts_each_sample_once_on_a_size_the_world_does_not_divide proves it.
 
 
 @torch.no_grad()
@@ -859,6 +772,104 @@ def evaluate_checkpoint(args, world):
     return 0
 
 
+def epoch_metrics(world, state, epoch, lr, epoch_started):
+    """Return an epoch record's training metrics: its means, its items and its seconds."""
+    totals, plan = state.progress.epoch_totals, state.plan
+    steps = state.progress.step - epoch * plan.steps_per_epoch
+    return {
+        **totals.means("train_"),
+        f"train_{COUNT_UNIT}": totals.count,
+        "lr": lr,
+        "train_samples": steps * plan.global_batch,
+        "world_size": world.world_size,
+        "epoch_s": time.perf_counter() - epoch_started,
+    }
+
+
+class Throughput:
+    """The items trained per second since the last progress record, and the seconds left."""
+
+    def __init__(self, first_step, total_steps):
+        self.last_step, self.total_steps = first_step, total_steps
+        self.last_time = time.perf_counter()
+
+    def metrics(self, step, items):
+        """Return the speed since the last call, given the items trained since then."""
+        now = time.perf_counter()
+        seconds = now - self.last_time
+        eta_s = seconds / (step - self.last_step) * (self.total_steps - step)
+        self.last_step, self.last_time = step, now
+        return {f"{COUNT_UNIT}_per_s": items / seconds, "eta_s": eta_s}
+
+
+def write_record(args, world, record, model, total_steps, to_file=True):
+    """Rank 0 writes a record to the console, to metrics.jsonl and to report(). A record is of the
+    kind progress, eval or epoch."""
+    if world.rank != 0:
+        return
+    shown = [
+        f"{name} {value:.6g}" if isinstance(value, float) else f"{name} {value}"
+        for name, value in record.items()
+        if name not in ("kind", "step")
+    ]
+    log(f"{record['kind']:>8}  step {record['step']}/{total_steps}", *shown, sep="  ")
+    if to_file:
+        with open(f"{args.out_dir}/metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+    report(record, args, model)
+
+
+def log_header(args, world, state):
+    """Rank 0 says what this run is, in three lines."""
+    plan, train_size = state.plan, len(state.sampler.dataset)
+    backend = dist.get_backend() if world.world_size > 1 else "no process group"
+    threads = torch.get_num_threads()
+    left_out = train_size - plan.steps_per_epoch * plan.global_batch
+    log(
+        f"{PROG}: world size {world.world_size}, {backend}, {world.device}, "
+        f"{threads} thread(s)/process,\n"
+        f"torch {torch.__version__}; files in {args.out_dir}: "
+        "checkpoint.pt, metrics.jsonl, model.pt\n"
+        f"global batch {plan.global_batch} = {args.batch_size}/process x {world.world_size} x "
+        f"{plan.grad_accum} accum, {plan.steps_per_epoch} steps/epoch (each leaves out {left_out} "
+        f"of its {train_size:,} samples), {len(state.eval_loader.dataset):,} eval samples"
+    )
+
+
+def drop_records_after(step, out_dir):
+    """At a resume, rank 0 removes the records past the checkpoint's step from metrics.jsonl.
+
+    A crash can leave such records behind, and the resumed run writes them again, so each record
+    stays in the file once. It returns the kinds of the records that the file holds for the
+    checkpoint's step."""
+    path = f"{out_dir}/metrics.jsonl"
+    if not os.path.exists(path):
+        return set()
+    kept = []
+    with open(path) as f:
+        for line in f:
+            with contextlib.suppress(ValueError):  # A crash can tear the last line.
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+    with open(f"{path}.tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(f"{path}.tmp", path)
+    return {json.loads(line)["kind"] for line in kept if json.loads(line)["step"] == step}
+
+
+# ====== 6. Checkpoints ============================================================================
+# A stopped run resumes bit for bit, and a crash during a save keeps the last good checkpoint. The
+# test test_sigterm_to_the_launcher_stops_every_rank_and_the_rerun_ends_bit_identical proves it.
+
+
+# Format 1 is the format of the checkpoints that ddp_train.py wrote before its redesign.
+CHECKPOINT_FORMAT = 2
+# A resume does not compare these flags with the checkpoint's, since they may change freely.
+FREE_AT_RESUME = ("out_dir", "eval_only", "spawn", "local_rank", "timeout")
+# A weights_only torch.load reads back values of these types. Other flags are saved as str.
+WEIGHTS_ONLY_TYPES = (int, float, str, bool, type(None))
+
+
 def save_checkpoint(args, world, state):
     """All ranks gather their random states. Rank 0 writes the checkpoint and keeps the previous
     one. All ranks wait until it is written."""
@@ -919,25 +930,120 @@ def restore_checkpoint(args, world, checkpointed, path, checkpoint):
     return progress
 
 
-def drop_records_after(step, out_dir):
-    """At a resume, rank 0 removes the records past the checkpoint's step from metrics.jsonl.
+def read_checkpoint(out_dir):
+    """Return (path, checkpoint) for the out-dir's last checkpoint, or (None, None).
 
-    A crash can leave such records behind, and the resumed run writes them again, so each record
-    stays in the file once. It returns the kinds of the records that the file holds for the
-    checkpoint's step."""
-    path = f"{out_dir}/metrics.jsonl"
-    if not os.path.exists(path):
-        return set()
-    kept = []
-    with open(path) as f:
-        for line in f:
-            with contextlib.suppress(ValueError):  # A crash can tear the last line.
-                if json.loads(line)["step"] <= step:
-                    kept.append(line)
-    with open(f"{path}.tmp", "w") as f:
-        f.writelines(kept)
+    Where the last checkpoint is damaged, it returns the one before it."""
+    stem = f"{out_dir}/checkpoint"
+    paths = [f"{stem}.pt", f"{stem}.prev.pt"]
+    # A crash between atomic_save's two renames leaves the new checkpoint in the .tmp file.
+    if not os.path.exists(paths[0]):
+        paths.insert(1, f"{stem}.pt.tmp")
+    problems = []
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        if path.endswith(".tmp") and not zipfile.is_zipfile(path):
+            # A save that was cut short has no zip directory at its end. It was never published as
+            # the checkpoint, so nothing is lost without it.
+            log(f"{path} was cut short while it was written, so the run starts without it")
+            continue
+        try:
+            # Trap: Without map_location, every rank loads onto the GPU that saved the file. mmap
+            # lets the ranks of a node share the file's pages instead of each holding a copy.
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            problems.append(f"{path} is unreadable ({one_line(exc)})")
+            continue
+        if not (isinstance(checkpoint, dict) and "progress" in checkpoint):
+            problems.append(f"{path} is not a checkpoint of {PROG}")
+            continue
+        check(
+            checkpoint.get("format") == CHECKPOINT_FORMAT,
+            f"{path} is of an older ddp_train.py (checkpoint format {checkpoint.get('format', 1)}, "
+            f"this one reads {CHECKPOINT_FORMAT}): finish its run with the script that wrote it, "
+            "or pass another --out-dir",
+        )
+        if problems:
+            log(f"{problems[0]}: resuming from {path}")
+        return path, checkpoint
+    check(
+        not problems,
+        f"{'; '.join(problems)}: move it away to start over, or pass another --out-dir",
+    )
+    return None, None
+
+
+def atomic_save(obj, path, previous=None):
+    """Trap: A crash in the middle of a write must not cost the last good file. So we write a temp
+    file, flush it to the disk and then rename it. The file that it replaces becomes `previous`."""
+    # Trap: Write a new file, and do not cut the old one to zero. A run that resumed from the old
+    # file still maps its pages.
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(f"{path}.tmp")
+    with open(f"{path}.tmp", "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if previous and os.path.exists(path):
+        os.replace(path, previous)
     os.replace(f"{path}.tmp", path)
-    return {json.loads(line)["kind"] for line in kept if json.loads(line)["step"] == step}
+
+
+class ResumableBatchSampler:
+    """The training DataLoader's batch_sampler. It gives this rank's micro-batches of an epoch.
+
+    Step s of an epoch trains the stretch of the shuffle from s times the global batch to s + 1
+    times the global batch. This rank's share of that stretch is the same stretch of its own
+    DistributedSampler share. It is cut into micro-batches of --batch-size. A resumed epoch sets
+    skip_steps, and then the first micro-batch is the one that the run stopped before."""
+
+    def __init__(self, sampler, batch_size, plan):
+        self.sampler, self.batch_size = sampler, batch_size
+        self.per_step = plan.grad_accum * batch_size  # This counts this rank's samples in a step.
+        self.steps_per_epoch = plan.steps_per_epoch
+        self.skip_steps = 0  # A resumed epoch leaves out the steps that it has trained.
+
+    def __iter__(self):
+        share = list(self.sampler)
+        end = self.steps_per_epoch * self.per_step
+        for start in range(self.skip_steps * self.per_step, end, self.batch_size):
+            yield share[start : start + self.batch_size]
+
+    def __len__(self):
+        return (self.steps_per_epoch - self.skip_steps) * self.per_step // self.batch_size
+
+
+def seed_everything(seed):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if numpy:
+        numpy.random.seed(seed % 2**32)
+
+
+def rng_state():
+    """Return this process's random states, as values that a weights_only torch.load reads."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    if numpy:
+        kind, keys, *rest = numpy.random.get_state()
+        state["numpy"] = [kind, keys.tolist(), *rest]
+    return state
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    if numpy and "numpy" in state:
+        numpy.random.set_state(state["numpy"])
+
+
+# ====== 7. Preemption =============================================================================
+# A stop signal on any rank stops every rank after the same step. The test
+# test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_ends_bit_identical proves it.
 
 
 class StopAgreement:
@@ -975,123 +1081,160 @@ class StopAgreement:
             signal.signal(sig, handler)
 
 
-class Throughput:
-    """The items trained per second since the last progress record, and the seconds left."""
-
-    def __init__(self, first_step, total_steps):
-        self.last_step, self.total_steps = first_step, total_steps
-        self.last_time = time.perf_counter()
-
-    def metrics(self, step, items):
-        """Return the speed since the last call, given the items trained since then."""
-        now = time.perf_counter()
-        seconds = now - self.last_time
-        eta_s = seconds / (step - self.last_step) * (self.total_steps - step)
-        self.last_step, self.last_time = step, now
-        return {f"{COUNT_UNIT}_per_s": items / seconds, "eta_s": eta_s}
+def ignore_signals(worker_id):
+    """Trap: A DataLoader worker exits on a SIGTERM from anyone but its parent. torchrun, SLURM and
+    terminals signal whole process groups. So the workers ignore the stop signals, and the
+    trainer handles them."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
-def write_record(args, world, record, model, total_steps, to_file=True):
-    """Rank 0 writes a record to the console, to metrics.jsonl and to report(). A record is of the
-    kind progress, eval or epoch."""
-    if world.rank != 0:
-        return
-    shown = [
-        f"{name} {value:.6g}" if isinstance(value, float) else f"{name} {value}"
-        for name, value in record.items()
-        if name not in ("kind", "step")
-    ]
-    log(f"{record['kind']:>8}  step {record['step']}/{total_steps}", *shown, sep="  ")
-    if to_file:
-        with open(f"{args.out_dir}/metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-    report(record, args, model)
+# ====== 8. Setup ==================================================================================
+# These functions build what setup_training() needs. A resume on another world size keeps its
+# global batch, as test_a_node_that_leaves_and_joins_again_resumes_the_run_with_its_global_batch
+# proves.
 
 
-def log_header(args, world, state):
-    """Rank 0 says what this run is, in three lines."""
-    plan, train_size = state.plan, len(state.sampler.dataset)
-    backend = dist.get_backend() if world.world_size > 1 else "no process group"
-    threads = torch.get_num_threads()
-    left_out = train_size - plan.steps_per_epoch * plan.global_batch
-    log(
-        f"{PROG}: world size {world.world_size}, {backend}, {world.device}, "
-        f"{threads} thread(s)/process,\n"
-        f"torch {torch.__version__}; files in {args.out_dir}: "
-        "checkpoint.pt, metrics.jsonl, model.pt\n"
-        f"global batch {plan.global_batch} = {args.batch_size}/process x {world.world_size} x "
-        f"{plan.grad_accum} accum, {plan.steps_per_epoch} steps/epoch (each leaves out {left_out} "
-        f"of its {train_size:,} samples), {len(state.eval_loader.dataset):,} eval samples"
+def build_task(args, world):
+    """Return (train_set, eval_set, model). They are the same on every rank and world size."""
+    seed_everything(args.seed)  # This comes first, so a random split agrees across the ranks.
+    train_set, eval_set = build_datasets(args)
+    eval_set = eval_set or []
+    check_datasets(train_set, eval_set)
+    seed_everything(args.seed)  # This gives the same initial weights on any world size.
+    model = build_model(args).to(world.device)
+    if args.sync_bn:
+        check(world.device.type == "cuda", "--sync-bn needs GPUs (SyncBatchNorm runs on CUDA)")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return train_set, eval_set, model
+
+
+def check_datasets(train_set, eval_set):
+    for name, dataset in ("training", train_set), ("eval", eval_set):
+        check(
+            hasattr(dataset, "__len__"),
+            f"the {name} set is a {type(dataset).__name__} without a length: DistributedSampler "
+            "needs a map-style Dataset (with __len__ and __getitem__), which gives every rank an "
+            "exact share and lets a stopped run resume at the very sample it stopped at",
+        )
+
+
+def make_plan(args, world, train_size, path, checkpoint):
+    # DDP: A step's global batch is --batch-size times the world size times the accumulation. A run
+    # that resumes on another world size keeps its global batch and changes its accumulation.
+    # nanoGPT does the same when it divides its accumulation by the world size.
+    global_batch = args.batch_size * world.world_size * args.grad_accum
+    if checkpoint and checkpoint["global_batch"] != global_batch:
+        if checkpoint["world_size"] == world.world_size:  # Here the flags differ, not the world.
+            fail(
+                f"{path} trained with a global batch of {checkpoint['global_batch']}, "
+                f"this run's is {global_batch}: pass the same --batch-size and --grad-accum, "
+                "or another --out-dir"
+            )
+        global_batch = checkpoint["global_batch"]  # On another world, the accumulation follows.
+    grad_accum, rest = divmod(global_batch, args.batch_size * world.world_size)
+    if not grad_accum or rest:
+        per_process = global_batch // world.world_size
+        hint = "" if global_batch % world.world_size == 0 else ", on a world size that divides it"
+        fail(
+            f"the global batch of {global_batch} is not {world.world_size} processes x "
+            f"--batch-size {args.batch_size} x a whole accumulation: "
+            "pass a --batch-size that divides "
+            f"{per_process}{hint}"
+        )
+    # Every step is a full global batch. So an epoch leaves out its last, incomplete batch, as in
+    # nanoGPT.
+    steps_per_epoch = train_size // global_batch
+    check(
+        steps_per_epoch > 0,
+        f"the {train_size} training samples do not fill one global batch of {global_batch}: "
+        "lower --batch-size or --grad-accum",
+    )
+    total_steps = args.max_steps or args.epochs * steps_per_epoch
+    return Plan(global_batch, grad_accum, steps_per_epoch, total_steps)
+
+
+def check_same_start(world, step):
+    # Trap: If only some nodes see the checkpoint, the ranks would start at different steps and
+    # train apart. So all ranks compare their starting step.
+    if world.world_size > 1:
+        starts = [None] * world.world_size
+        dist.all_gather_object(starts, step, group=world.cpu_group)
+        check(len(set(starts)) == 1, f"the ranks start at steps {starts}: a shared --out-dir")
+
+
+def loader_options(args, world):
+    """Return the DataLoader options that both loaders share.
+
+    Trap: The workers must ignore the stop signals. Otherwise torchrun's SIGTERM kills them, and the
+    trainer dies before it saves. Trap: Each rank needs a generator of its own. Otherwise the
+    workers' seeds come from the global generator, which is the same on every rank."""
+    return dict(
+        collate_fn=collate_fn,
+        num_workers=args.workers,
+        worker_init_fn=ignore_signals,
+        persistent_workers=args.workers > 0,
+        pin_memory=world.device.type == "cuda",
+        generator=torch.Generator().manual_seed(args.seed + 1 + world.rank),
     )
 
 
-# ====== 4. Helpers ===============================================================================
-
-# These are the script's flags. Each entry gives the name, the default and the help text, and the
-# default sets the type. TASK_FLAGS in section 1 adds your task's flags to these.
-FLAGS = [
-    ("epochs", 3, "passes over the training set"),
-    ("max-steps", 0, "train exactly N optimizer steps (0: --epochs)"),
-    ("batch-size", 64, "samples per process and micro-batch (x world x --grad-accum: a step's)"),
-    ("grad-accum", 1, "micro-batches per optimizer step"),
-    ("lr", 1e-3, "peak learning rate (build_optimizer's)"),
-    ("warmup-steps", 0, "linear warmup over N steps, then cosine decay to 0"),
-    ("weight-decay", 0.01, "the default AdamW's, on matrices"),
-    ("clip-grad-norm", 0.0, "clip the global gradient norm to this at every step (0: off)"),
-    ("seed", 0, "seeds the data, the initial weights and the shuffle"),
-    ("out-dir", f"out/{os.path.basename(sys.argv[0]).removesuffix('.py')}", "rank 0 writes here"),
-    ("log-every", 100, "a progress line every N optimizer steps (0: off)"),
-    ("eval-every", 0, "also evaluate every N optimizer steps (0: at each epoch's end only)"),
-    ("save-every", 500, "also checkpoint every N optimizer steps (0: at each epoch's end only)"),
-    ("eval-only", False, "evaluate the out-dir's checkpoint, then exit"),
-    ("amp", "off", "autocast: off, bf16 or fp16 (with loss scaling)"),
-    ("compile", False, "torch.compile the DDP model"),
-    ("workers", 0, "DataLoader workers per process"),
-    ("find-unused-parameters", False, "let parameters sit out some steps (DDP's option; slower)"),
-    ("sync-bn", False, "SyncBatchNorm: BatchNorm statistics over the global batch"),
-    ("timeout", 1800.0, "seconds to wait for a peer before failing"),
-    ("spawn", 0, "start N local processes, as torchrun --standalone would"),
-]
-# These flags must be at least 1. The script's other numbers must be at least 0.
-POSITIVE_FLAGS = ("epochs", "batch-size", "grad-accum")
-# The script logs these names itself, as train_loss, eval_samples and so on.
-RESERVED_METRICS = {"loss", "samples", "tokens"}
-# Format 1 is the format of the checkpoints that ddp_train.py wrote before its redesign.
-CHECKPOINT_FORMAT = 2
-# A resume does not compare these flags with the checkpoint's, since they may change freely.
-FREE_AT_RESUME = ("out_dir", "eval_only", "spawn", "local_rank", "timeout")
-# A weights_only torch.load reads back values of these types. Other flags are saved as str.
-WEIGHTS_ONLY_TYPES = (int, float, str, bool, type(None))
+def make_eval_loader(args, world, eval_set):
+    """Return the eval DataLoader. Rank r evaluates samples r, r + world size, and so on. Nothing
+    pads the shares, so each sample counts once."""
+    share = range(world.rank, len(eval_set), world.world_size)
+    return DataLoader(eval_set, args.batch_size, sampler=share, **loader_options(args, world))
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """An argparse parser whose errors are one line and a non-zero exit, not the usage text."""
+def start_workers(loader):
+    """Start a DataLoader's persistent workers now. Each later iter() reuses them."""
+    if loader.num_workers > 0:
+        iter(loader)
 
-    def error(self, message):
-        fail(f"{message} (see --help)")
+
+def make_autocast(args, device):
+    """Return --amp's autocast and its dtype. Without --amp, there is no autocast at all, because
+    even a disabled one costs microseconds in every forward."""
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    if amp_dtype is None:
+        return contextlib.nullcontext(), None
+    return torch.autocast(device.type, amp_dtype), amp_dtype
 
 
-def parse_args(argv=None):
-    parser = OneLineParser(
-        allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    for name, default, help_text in FLAGS + TASK_FLAGS:
-        if isinstance(default, bool):  # A switch has --name and --no-name.
-            action = argparse.BooleanOptionalAction
-            parser.add_argument(f"--{name}", action=action, default=default, help=help_text)
-        else:
-            parser.add_argument(f"--{name}", type=type(default), default=default, help=help_text)
-    parser.set_defaults(**TASK_DEFAULTS)
-    # The legacy launcher passes --local-rank=N, and older torch passes --local_rank=N.
-    parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    for name, _, _ in FLAGS:
-        value = getattr(args, name.replace("-", "_"))
-        least = 1 if name in POSITIVE_FLAGS else 0
-        if type(value) in (int, float) and value < least:
-            fail(f"--{name} is {value}: it is at least {least}")
-    check(args.amp in ("off", "bf16", "fp16"), f"--amp is off, bf16 or fp16, not {args.amp}")
-    return args
+def to_device(batch, device):
+    """Move a batch to the device, without waiting for the GPU.
+
+    The batch may nest tuples, namedtuples, lists and mappings of tensors. A tensor moves itself,
+    and so does any object with a .to() of its own, such as a tokenizer's BatchEncoding."""
+    if hasattr(batch, "to"):
+        try:
+            return batch.to(device, non_blocking=True)
+        except TypeError:  # Some objects have a .to() that takes no non_blocking.
+            return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # This is a namedtuple.
+        return type(batch)(*(to_device(value, device) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch
+
+
+def call_task(function, *arguments):
+    """Call a task function with as many of the arguments as it takes. The task functions of older
+    copies have fewer parameters, and compute_loss(model, batch) still works."""
+    return function(*arguments[: count_parameters(function)])
+
+
+@functools.cache
+def count_parameters(function):
+    """The cache keeps inspect's slow reading of a signature out of every step."""
+    return len(inspect.signature(function).parameters)
+
+
+# ====== 9. Launchers: a first read can skip this section ==========================================
+# These functions let one command work under every launcher. The test
+# test_every_launch_mode_trains_the_same_run_and_only_rank_0_writes proves it.
 
 
 def spawn(processes, argv):
@@ -1187,175 +1330,68 @@ def first_host(nodelist):
     return re.sub(r"\[(\d+)[^\]]*\]", r"\1", first_entry)
 
 
-def check_datasets(train_set, eval_set):
-    for name, dataset in ("training", train_set), ("eval", eval_set):
-        check(
-            hasattr(dataset, "__len__"),
-            f"the {name} set is a {type(dataset).__name__} without a length: DistributedSampler "
-            "needs a map-style Dataset (with __len__ and __getitem__), which gives every rank an "
-            "exact share and lets a stopped run resume at the very sample it stopped at",
-        )
+# ====== 10. Flags and errors ======================================================================
+# A classic mistake ends in one line that names the fix. The test
+# test_a_classic_mistake_is_one_line_naming_the_fix_and_costs_nothing proves it.
 
 
-def check_same_start(world, step):
-    # Trap: If only some nodes see the checkpoint, the ranks would start at different steps and
-    # train apart. So all ranks compare their starting step.
-    if world.world_size > 1:
-        starts = [None] * world.world_size
-        dist.all_gather_object(starts, step, group=world.cpu_group)
-        check(len(set(starts)) == 1, f"the ranks start at steps {starts}: a shared --out-dir")
+# These are the script's flags. Each entry gives the name, the default and the help text, and the
+# default sets the type. TASK_FLAGS in section 1 adds your task's flags to these.
+FLAGS = [
+    ("epochs", 3, "passes over the training set"),
+    ("max-steps", 0, "train exactly N optimizer steps (0: --epochs)"),
+    ("batch-size", 64, "samples per process and micro-batch (x world x --grad-accum: a step's)"),
+    ("grad-accum", 1, "micro-batches per optimizer step"),
+    ("lr", 1e-3, "peak learning rate (build_optimizer's)"),
+    ("warmup-steps", 0, "linear warmup over N steps, then cosine decay to 0"),
+    ("weight-decay", 0.01, "the default AdamW's, on matrices"),
+    ("clip-grad-norm", 0.0, "clip the global gradient norm to this at every step (0: off)"),
+    ("seed", 0, "seeds the data, the initial weights and the shuffle"),
+    ("out-dir", f"out/{os.path.basename(sys.argv[0]).removesuffix('.py')}", "rank 0 writes here"),
+    ("log-every", 100, "a progress line every N optimizer steps (0: off)"),
+    ("eval-every", 0, "also evaluate every N optimizer steps (0: at each epoch's end only)"),
+    ("save-every", 500, "also checkpoint every N optimizer steps (0: at each epoch's end only)"),
+    ("eval-only", False, "evaluate the out-dir's checkpoint, then exit"),
+    ("amp", "off", "autocast: off, bf16 or fp16 (with loss scaling)"),
+    ("compile", False, "torch.compile the DDP model"),
+    ("workers", 0, "DataLoader workers per process"),
+    ("find-unused-parameters", False, "let parameters sit out some steps (DDP's option; slower)"),
+    ("sync-bn", False, "SyncBatchNorm: BatchNorm statistics over the global batch"),
+    ("timeout", 1800.0, "seconds to wait for a peer before failing"),
+    ("spawn", 0, "start N local processes, as torchrun --standalone would"),
+]
+# These flags must be at least 1. The script's other numbers must be at least 0.
+POSITIVE_FLAGS = ("epochs", "batch-size", "grad-accum")
 
 
-def loader_options(args, world):
-    """Return the DataLoader options that both loaders share.
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line and a non-zero exit, not the usage text."""
 
-    Trap: The workers must ignore the stop signals. Otherwise torchrun's SIGTERM kills them, and the
-    trainer dies before it saves. Trap: Each rank needs a generator of its own. Otherwise the
-    workers' seeds come from the global generator, which is the same on every rank."""
-    return dict(
-        collate_fn=collate_fn,
-        num_workers=args.workers,
-        worker_init_fn=ignore_signals,
-        persistent_workers=args.workers > 0,
-        pin_memory=world.device.type == "cuda",
-        generator=torch.Generator().manual_seed(args.seed + 1 + world.rank),
+    def error(self, message):
+        fail(f"{message} (see --help)")
+
+
+def parse_args(argv=None):
+    parser = OneLineParser(
+        allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-
-
-def make_eval_loader(args, world, eval_set):
-    """Return the eval DataLoader. Rank r evaluates samples r, r + world size, and so on. Nothing
-    pads the shares, so each sample counts once."""
-    share = range(world.rank, len(eval_set), world.world_size)
-    return DataLoader(eval_set, args.batch_size, sampler=share, **loader_options(args, world))
-
-
-def start_workers(loader):
-    """Start a DataLoader's persistent workers now. Each later iter() reuses them."""
-    if loader.num_workers > 0:
-        iter(loader)
-
-
-def make_autocast(args, device):
-    """Return --amp's autocast and its dtype. Without --amp, there is no autocast at all, because
-    even a disabled one costs microseconds in every forward."""
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    if amp_dtype is None:
-        return contextlib.nullcontext(), None
-    return torch.autocast(device.type, amp_dtype), amp_dtype
-
-
-def to_device(batch, device):
-    """Move a batch to the device, without waiting for the GPU.
-
-    The batch may nest tuples, namedtuples, lists and mappings of tensors. A tensor moves itself,
-    and so does any object with a .to() of its own, such as a tokenizer's BatchEncoding."""
-    if hasattr(batch, "to"):
-        try:
-            return batch.to(device, non_blocking=True)
-        except TypeError:  # Some objects have a .to() that takes no non_blocking.
-            return batch.to(device)
-    if isinstance(batch, Mapping):
-        return {key: to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # This is a namedtuple.
-        return type(batch)(*(to_device(value, device) for value in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(value, device) for value in batch)
-    return batch
-
-
-def ignore_signals(worker_id):
-    """Trap: A DataLoader worker exits on a SIGTERM from anyone but its parent. torchrun, SLURM and
-    terminals signal whole process groups. So the workers ignore the stop signals, and the
-    trainer handles them."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-
-
-def seed_everything(seed):
-    torch.manual_seed(seed)
-    random.seed(seed)
-    if numpy:
-        numpy.random.seed(seed % 2**32)
-
-
-def rng_state():
-    """Return this process's random states, as values that a weights_only torch.load reads."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    if numpy:
-        kind, keys, *rest = numpy.random.get_state()
-        state["numpy"] = [kind, keys.tolist(), *rest]
-    return state
-
-
-def set_rng_state(state):
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-    if numpy and "numpy" in state:
-        numpy.random.set_state(state["numpy"])
-
-
-def read_checkpoint(out_dir):
-    """Return (path, checkpoint) for the out-dir's last checkpoint, or (None, None).
-
-    Where the last checkpoint is damaged, it returns the one before it."""
-    stem = f"{out_dir}/checkpoint"
-    paths = [f"{stem}.pt", f"{stem}.prev.pt"]
-    # A crash between atomic_save's two renames leaves the new checkpoint in the .tmp file.
-    if not os.path.exists(paths[0]):
-        paths.insert(1, f"{stem}.pt.tmp")
-    problems = []
-    for path in paths:
-        if not os.path.exists(path):
-            continue
-        if path.endswith(".tmp") and not zipfile.is_zipfile(path):
-            # A save that was cut short has no zip directory at its end. It was never published as
-            # the checkpoint, so nothing is lost without it.
-            log(f"{path} was cut short while it was written, so the run starts without it")
-            continue
-        try:
-            # Trap: Without map_location, every rank loads onto the GPU that saved the file. mmap
-            # lets the ranks of a node share the file's pages instead of each holding a copy.
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:
-            problems.append(f"{path} is unreadable ({one_line(exc)})")
-            continue
-        if not (isinstance(checkpoint, dict) and "progress" in checkpoint):
-            problems.append(f"{path} is not a checkpoint of {PROG}")
-            continue
-        check(
-            checkpoint.get("format") == CHECKPOINT_FORMAT,
-            f"{path} is of an older ddp_train.py (checkpoint format {checkpoint.get('format', 1)}, "
-            f"this one reads {CHECKPOINT_FORMAT}): finish its run with the script that wrote it, "
-            "or pass another --out-dir",
-        )
-        if problems:
-            log(f"{problems[0]}: resuming from {path}")
-        return path, checkpoint
-    check(
-        not problems,
-        f"{'; '.join(problems)}: move it away to start over, or pass another --out-dir",
-    )
-    return None, None
-
-
-def atomic_save(obj, path, previous=None):
-    """Trap: A crash in the middle of a write must not cost the last good file. So we write a temp
-    file, flush it to the disk and then rename it. The file that it replaces becomes `previous`."""
-    # Trap: Write a new file, and do not cut the old one to zero. A run that resumed from the old
-    # file still maps its pages.
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(f"{path}.tmp")
-    with open(f"{path}.tmp", "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    if previous and os.path.exists(path):
-        os.replace(path, previous)
-    os.replace(f"{path}.tmp", path)
+    for name, default, help_text in FLAGS + TASK_FLAGS:
+        if isinstance(default, bool):  # A switch has --name and --no-name.
+            action = argparse.BooleanOptionalAction
+            parser.add_argument(f"--{name}", action=action, default=default, help=help_text)
+        else:
+            parser.add_argument(f"--{name}", type=type(default), default=default, help=help_text)
+    parser.set_defaults(**TASK_DEFAULTS)
+    # The legacy launcher passes --local-rank=N, and older torch passes --local_rank=N.
+    parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name, _, _ in FLAGS:
+        value = getattr(args, name.replace("-", "_"))
+        least = 1 if name in POSITIVE_FLAGS else 0
+        if type(value) in (int, float) and value < least:
+            fail(f"--{name} is {value}: it is at least {least}")
+    check(args.amp in ("off", "bf16", "fp16"), f"--amp is off, bf16 or fp16, not {args.amp}")
+    return args
 
 
 def log(*args, **kwargs):
