@@ -44,11 +44,11 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-# Trap: Do not remove this import, although nothing here uses it. Its functions have the default
-# group=group.WORLD, which Python evaluates once, at the first import. DDP would import them after
-# init_process_group, and they would keep the group. Then gloo's threads outlive
-# cleanup_distributed(), and at exit one can abort a run that has saved ("terminate called").
-# Imported here, before any process group exists, they keep none.
+# Trap: Keep this import, although nothing here uses it. The functions of this module have the
+# default argument group=group.WORLD, and Python evaluates a default once, when it imports the
+# module. DDP imports the module after init_process_group, so the defaults would hold the process
+# group, and gloo's threads with it, until the interpreter exits. A thread that is still alive then
+# can abort a run that has saved ("terminate called"). Imported here, the defaults hold None.
 import torch.distributed.nn.functional  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -198,6 +198,7 @@ class World:
     """This process's place in the run."""
 
     rank: int  # The rank goes from 0 to world_size - 1 over all nodes.
+    local_rank: int  # The local rank goes from 0 to the number of processes on this node - 1.
     world_size: int
     device: torch.device
     # Small CPU messages go over gloo. They are the stop flag, the random states and the barrier.
@@ -220,7 +221,7 @@ def init_distributed(timeout_s):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = pick_device(local_rank)
     if world_size == 1:
-        return World(rank, world_size, device)
+        return World(rank, local_rank, world_size, device)
     timeout = datetime.timedelta(seconds=timeout_s)
     # DDP: Join the process group. GPUs use NCCL and CPUs use gloo. The timeout turns a missing
     # peer into an error instead of a hang.
@@ -243,7 +244,7 @@ def init_distributed(timeout_s):
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     else:
         cpu_group = dist.group.WORLD
-    return World(rank, world_size, device, cpu_group)
+    return World(rank, local_rank, world_size, device, cpu_group)
 
 
 def pick_device(local_rank):
@@ -276,10 +277,10 @@ def cleanup_distributed(world):
     gc.collect()
     if not dist.is_initialized():
         return
-    # Trap: On torch before 2.8, destroy_process_group() can hang. It frees gloo's backend, which
-    # owns gloo's threads, while it holds the GIL, and a thread that waits for the GIL never stops
-    # (pytorch#154976). So we keep the backend and free it last with `del`, which releases the GIL
-    # while the threads stop. On torch 2.8 and later, these lines change nothing.
+    # Trap: On torch before 2.8, destroy_process_group() can hang (pytorch#154976). It frees gloo's
+    # backend while it holds the GIL, and the backend waits for its threads, which wait for the GIL.
+    # So we keep the backend alive through destroy_process_group() and free it last with `del`,
+    # which releases the GIL while the threads stop. On torch 2.8 and later, this changes nothing.
     gloo_backend = world.cpu_group._get_backend(torch.device("cpu"))
     world.cpu_group = None  # This drops the last reference, so the group goes with destroy.
     dist.destroy_process_group()  # DDP: Leave the process group.
@@ -288,8 +289,38 @@ def cleanup_distributed(world):
 
 # ====== 3. The loop: read this section first ======================================================
 # main(), train() and train_step() are the tutorials' loop, in torch's own names. A reader who
-# stops at the end of this section has seen the whole flow. Each later section opens with what it
-# guarantees and the test that proves it, so that a first read can trust it and skip it.
+# stops at the end of this section has seen the whole flow. The functions that it calls from later
+# sections are named for what they do. Each later section opens with what it guarantees and the
+# test that proves it, so that a first read can trust it and skip it.
+
+
+# These are the script's flags. Each entry gives the name, the default and the help text, and the
+# default sets the type. TASK_FLAGS in section 1 adds your task's flags to these.
+FLAGS = [
+    ("epochs", 3, "passes over the training set"),
+    ("max-steps", 0, "train exactly N optimizer steps (0: --epochs)"),
+    ("batch-size", 64, "samples per process and micro-batch (x world x --grad-accum: a step's)"),
+    ("grad-accum", 1, "micro-batches per optimizer step"),
+    ("lr", 1e-3, "peak learning rate (build_optimizer's)"),
+    ("warmup-steps", 0, "linear warmup over N steps, then cosine decay to 0"),
+    ("weight-decay", 0.01, "the default AdamW's, on matrices"),
+    ("clip-grad-norm", 0.0, "clip the global gradient norm to this at every step (0: off)"),
+    ("seed", 0, "seeds the data, the initial weights and the shuffle"),
+    ("out-dir", f"out/{os.path.basename(sys.argv[0]).removesuffix('.py')}", "rank 0 writes here"),
+    ("log-every", 100, "a progress line every N optimizer steps (0: off)"),
+    ("eval-every", 0, "also evaluate every N optimizer steps (0: at each epoch's end only)"),
+    ("save-every", 500, "also checkpoint every N optimizer steps (0: at each epoch's end only)"),
+    ("eval-only", False, "evaluate the out-dir's checkpoint, then exit"),
+    ("amp", "off", "autocast: off, bf16 or fp16 (with loss scaling)"),
+    ("compile", False, "torch.compile the DDP model"),
+    ("workers", 0, "DataLoader workers per process"),
+    ("find-unused-parameters", False, "let parameters sit out some steps (DDP's option; slower)"),
+    ("sync-bn", False, "SyncBatchNorm: BatchNorm statistics over the global batch"),
+    ("timeout", 1800.0, "seconds to wait for a peer before failing"),
+    ("spawn", 0, "start N local processes, as torchrun --standalone would"),
+]
+# These flags must be at least 1. The script's other numbers must be at least 0.
+POSITIVE_FLAGS = ("epochs", "batch-size", "grad-accum")
 
 
 @errors.record  # Under torchrun, this puts a worker's traceback in torchrun's failure summary.
@@ -313,7 +344,7 @@ def train(args, world):
     """Train, and return the exit code. All ranks run every line, and only rank 0 writes."""
     state = setup_training(args, world)
     plan, progress = state.plan, state.progress
-    # A stop or a crash can leave the checkpoint's records unwritten. All ranks write them first.
+    # A stop or a crash can leave the checkpoint's records unwritten, as Progress.records says.
     evaluate_and_write_records(args, world, state, progress.records)
     if progress.step >= plan.total_steps and os.path.exists(f"{args.out_dir}/model.pt"):
         log(  # A finished run without model.pt goes on, and finish() writes the file.
@@ -335,12 +366,12 @@ def train(args, world):
         while progress.step < epoch_end and not stop.should_stop:
             stop.send()  # All ranks send whether they got a stop signal.
             step = progress.step + 1
-            log_now = args.log_every and step % args.log_every == 0
+            log_now = args.log_every > 0 and step % args.log_every == 0
             lr, grad_norm = train_step(args, world, state, micro_batches, want_norm=log_now)
             progress.step = step
             stop.collect()  # If any rank got a signal, all ranks stop after this step.
-            eval_now = args.eval_every and step % args.eval_every == 0
-            periodic_save = args.save_every and step % args.save_every == 0
+            eval_now = args.eval_every > 0 and step % args.eval_every == 0
+            periodic_save = args.save_every > 0 and step % args.save_every == 0
             save_now = periodic_save or step == epoch_end or stop.should_stop
             # All ranks reduce the loss only here, as a reduction at every step waits for the GPU.
             if log_now or eval_now or save_now:
@@ -348,24 +379,24 @@ def train(args, world):
                 state.rank_sums = DeviceSums(world.device, step)  # The sums start again.
                 progress.epoch_totals.add(reduced)
                 progress.window_totals.add(reduced)
-            progress.records = []  # This step's records wait for the save, as Progress.records says.
-            where = {"step": step, "epoch": epoch + 1}
+            progress.records = []  # These wait for the save, as Progress.records says.
+            position = {"step": step, "epoch": epoch + 1}
             if log_now:
                 metrics = progress.window_totals.means("train_") | {"lr": lr}
                 metrics["grad_norm"] = grad_norm.item()
                 metrics |= speed.metrics(step, progress.window_totals.count)
-                progress.records.append({"kind": "progress"} | where | metrics)
+                progress.records.append({"kind": "progress"} | position | metrics)
                 progress.window_totals = HostSums()
-            if step == epoch_end:  # The end of an epoch, or of the run, evaluates in its record.
+            if step == epoch_end:  # An epoch's record evaluates too, so no eval record follows.
                 metrics = epoch_metrics(world, state, epoch, lr, epoch_started)
-                progress.records.append({"kind": "epoch"} | where | metrics)
+                progress.records.append({"kind": "epoch"} | position | metrics)
                 progress.epoch_totals = HostSums()
             elif eval_now and len(state.eval_loader.dataset):
-                progress.records.append({"kind": "eval"} | where)
+                progress.records.append({"kind": "eval"} | position)
             # All ranks save first, so that the grace period after a stop signal goes to the save.
             if save_now:
                 save_checkpoint(args, world, state)
-            # After a stop, the rerun writes these records. But no rerun follows the last step.
+            # After a stop, the rerun writes these records first. No rerun follows the last step.
             if step == plan.total_steps or not stop.should_stop:
                 evaluate_and_write_records(args, world, state, progress.records)
     return finish(args, world, state, stop)
@@ -416,13 +447,7 @@ def setup_training(args, world):
     forward_model = torch.compile(ddp_model) if args.compile else ddp_model
     if world.rank == 0:  # Rank 0 writes only now, after every check, so a mistake writes nothing.
         os.makedirs(args.out_dir, exist_ok=True)
-        written = drop_records_after(progress.step, args.out_dir)  # No record is written twice.
-        progress.records = [r for r in progress.records if r["kind"] not in written]
-    # All ranks take rank 0's list of records, since every rank evaluates for them.
-    if world.world_size > 1:
-        unwritten = [progress.records]
-        dist.broadcast_object_list(unwritten, src=0, group=world.cpu_group)
-        progress.records = unwritten[0]
+    progress.records = unwritten_records(args, world, progress)
     return TrainState(
         plan=plan, progress=progress, raw_model=model, ddp_model=ddp_model,
         forward_model=forward_model, checkpointed=checkpointed, optimizers=optimizers,
@@ -576,9 +601,12 @@ class Progress:
     # and train_step rescales the gradients to the real count after the backward. None means that
     # the first step has not started, and its first micro-batch gives the guess.
     expected_count: object = None
-    # These are this step's records. A record is written after its step's checkpoint, and the
-    # checkpoint holds the records too. So if a stop or a crash comes between the two, the resumed
-    # run writes them from the checkpoint.
+    # These are the records of the last step that wait to be written. A record lives in four steps.
+    # 1. The loop adds it after its step. An eval or epoch record has no eval metrics yet.
+    # 2. The step's checkpoint saves it, as a part of Progress.
+    # 3. evaluate_and_write_records() evaluates for it, and rank 0 writes it to metrics.jsonl.
+    # 4. A stop or a crash can come between 2 and 3. Then the resumed run does 3 before it trains.
+    #    setup_training() leaves out the records that metrics.jsonl already holds.
     records: list = dataclasses.field(default_factory=list)
 
     @classmethod
@@ -836,25 +864,31 @@ def log_header(args, world, state):
     )
 
 
-def drop_records_after(step, out_dir):
-    """At a resume, rank 0 removes the records past the checkpoint's step from metrics.jsonl.
+def unwritten_records(args, world, progress):
+    """Return the checkpoint's records that metrics.jsonl does not hold yet, on every rank.
 
-    A crash can leave such records behind, and the resumed run writes them again, so each record
-    stays in the file once. It returns the kinds of the records that the file holds for the
-    checkpoint's step."""
-    path = f"{out_dir}/metrics.jsonl"
-    if not os.path.exists(path):
-        return set()
-    kept = []
-    with open(path) as f:
-        for line in f:
-            with contextlib.suppress(ValueError):  # A crash can tear the last line.
-                if json.loads(line)["step"] <= step:
-                    kept.append(line)
-    with open(f"{path}.tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(f"{path}.tmp", path)
-    return {json.loads(line)["kind"] for line in kept if json.loads(line)["step"] == step}
+    At a resume, rank 0 also removes the records past the checkpoint's step from metrics.jsonl. A
+    crash can leave such records behind, and the resumed run writes them again. So each record
+    stays in the file once. All ranks take rank 0's list, since every rank evaluates for them."""
+    records = progress.records
+    path = f"{args.out_dir}/metrics.jsonl"
+    if world.rank == 0 and os.path.exists(path):
+        in_file = []
+        with open(path) as f:
+            for line in f:
+                with contextlib.suppress(ValueError):  # A crash can tear the last line.
+                    in_file.append(json.loads(line))
+        kept = [record for record in in_file if record["step"] <= progress.step]
+        with open(f"{path}.tmp", "w") as f:
+            f.writelines(json.dumps(record) + "\n" for record in kept)
+        os.replace(f"{path}.tmp", path)
+        written = {record["kind"] for record in kept if record["step"] == progress.step}
+        records = [record for record in records if record["kind"] not in written]
+    if world.world_size > 1:
+        shared = [records]
+        dist.broadcast_object_list(shared, src=0, group=world.cpu_group)
+        records = shared[0]
+    return records
 
 
 # ====== 6. Checkpoints ============================================================================
@@ -1333,35 +1367,6 @@ def first_host(nodelist):
 # ====== 10. Flags and errors ======================================================================
 # A classic mistake ends in one line that names the fix. The test
 # test_a_classic_mistake_is_one_line_naming_the_fix_and_costs_nothing proves it.
-
-
-# These are the script's flags. Each entry gives the name, the default and the help text, and the
-# default sets the type. TASK_FLAGS in section 1 adds your task's flags to these.
-FLAGS = [
-    ("epochs", 3, "passes over the training set"),
-    ("max-steps", 0, "train exactly N optimizer steps (0: --epochs)"),
-    ("batch-size", 64, "samples per process and micro-batch (x world x --grad-accum: a step's)"),
-    ("grad-accum", 1, "micro-batches per optimizer step"),
-    ("lr", 1e-3, "peak learning rate (build_optimizer's)"),
-    ("warmup-steps", 0, "linear warmup over N steps, then cosine decay to 0"),
-    ("weight-decay", 0.01, "the default AdamW's, on matrices"),
-    ("clip-grad-norm", 0.0, "clip the global gradient norm to this at every step (0: off)"),
-    ("seed", 0, "seeds the data, the initial weights and the shuffle"),
-    ("out-dir", f"out/{os.path.basename(sys.argv[0]).removesuffix('.py')}", "rank 0 writes here"),
-    ("log-every", 100, "a progress line every N optimizer steps (0: off)"),
-    ("eval-every", 0, "also evaluate every N optimizer steps (0: at each epoch's end only)"),
-    ("save-every", 500, "also checkpoint every N optimizer steps (0: at each epoch's end only)"),
-    ("eval-only", False, "evaluate the out-dir's checkpoint, then exit"),
-    ("amp", "off", "autocast: off, bf16 or fp16 (with loss scaling)"),
-    ("compile", False, "torch.compile the DDP model"),
-    ("workers", 0, "DataLoader workers per process"),
-    ("find-unused-parameters", False, "let parameters sit out some steps (DDP's option; slower)"),
-    ("sync-bn", False, "SyncBatchNorm: BatchNorm statistics over the global batch"),
-    ("timeout", 1800.0, "seconds to wait for a peer before failing"),
-    ("spawn", 0, "start N local processes, as torchrun --standalone would"),
-]
-# These flags must be at least 1. The script's other numbers must be at least 0.
-POSITIVE_FLAGS = ("epochs", "batch-size", "grad-accum")
 
 
 class OneLineParser(argparse.ArgumentParser):
