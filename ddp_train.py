@@ -288,10 +288,11 @@ def cleanup_distributed(world):
 
 
 # ====== 3. The loop: read this section first ======================================================
-# main(), train() and train_step() are the tutorials' loop, in torch's own names. A reader who
-# stops at the end of this section has seen the whole flow. The functions that it calls from later
-# sections are named for what they do. Each later section opens with what it guarantees and the
-# test that proves it, so that a first read can trust it and skip it.
+# main(), train() and train_step() are the tutorials' loop, in torch's own names. The flags and the
+# state that the loop keeps come before them. A reader who stops at the end of this section has
+# seen the whole flow. The functions that it calls from later sections are named for what they do.
+# Each later section opens with what it guarantees and the test that proves it, so that a first
+# read can trust it and skip it.
 
 
 # These are the script's flags. Each entry gives the name, the default and the help text, and the
@@ -321,6 +322,91 @@ FLAGS = [
 ]
 # These flags must be at least 1. The script's other numbers must be at least 0.
 POSITIVE_FLAGS = ("epochs", "batch-size", "grad-accum")
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a step is, and how many steps there are."""
+
+    global_batch: int  # This counts the samples of a step over all ranks.
+    grad_accum: int  # This counts the micro-batches of a step on each rank.
+    steps_per_epoch: int  # Each step is a full global batch, so an epoch drops its partial end.
+    total_steps: int
+
+
+@dataclasses.dataclass
+class ReducedSums:
+    """Sums over all ranks, kept on the host for the records.
+
+    For the loss and each metric, the sum adds each mean times its count. The count adds up the
+    items. A logged mean is then a sum divided by the count."""
+
+    sums: dict = dataclasses.field(default_factory=dict)
+    count: float = 0.0
+
+    def add(self, other):
+        for name, value in other.sums.items():
+            self.sums[name] = self.sums.get(name, 0.0) + value
+        self.count += other.count
+
+    def means(self, prefix):
+        """Return {prefix + name: mean}. It is empty where no item was counted, as in a window
+        without a single token."""
+        if not self.count:
+            return {}
+        return {f"{prefix}{name}": value / self.count for name, value in self.sums.items()}
+
+
+@dataclasses.dataclass
+class Progress:
+    """The run's position, and the sums that its next records report. Every checkpoint saves it."""
+
+    step: int = 0  # This counts the optimizer steps done.
+    # These sum the steps of this epoch, and the steps since the last progress record.
+    epoch_totals: ReducedSums = dataclasses.field(default_factory=ReducedSums)
+    window_totals: ReducedSums = dataclasses.field(default_factory=ReducedSums)
+    # This is the step's count over all ranks, as we expect it before the step. Each micro-batch
+    # weighs its mean by its count divided by this. For samples, it is exact: the global batch.
+    # A token count comes out of compute_loss, after the forward, but the weight must be known
+    # before that micro-batch's backward. So a token run uses the last step's count as a guess,
+    # and train_step rescales the gradients to the real count after the backward. None means that
+    # the first step has not started, and its first micro-batch gives the guess.
+    expected_count: object = None
+    # These are the records of the last step that wait to be written. A record lives in four steps.
+    # 1. The loop adds it after its step. An eval or epoch record has no eval metrics yet.
+    # 2. The step's checkpoint saves it, as a part of Progress.
+    # 3. evaluate_and_write_records() evaluates for it, and rank 0 writes it to metrics.jsonl.
+    # 4. A stop or a crash can come between 2 and 3. Then the resumed run does 3 before it trains.
+    #    unwritten_records() leaves out the records that metrics.jsonl already holds.
+    records: list = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, saved):
+        progress = cls(**saved)
+        progress.epoch_totals = ReducedSums(**saved["epoch_totals"])
+        progress.window_totals = ReducedSums(**saved["window_totals"])
+        return progress
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything that training holds. setup_training() makes it, in running order."""
+
+    plan: Plan
+    progress: Progress
+    raw_model: nn.Module  # We save and evaluate the raw module, and report() gets it.
+    ddp_model: nn.Module  # DDP's wrapper gives no_sync(). A single process has the raw module here.
+    forward_model: nn.Module  # compute_loss trains this: the DDP model, or its compiled one.
+    checkpointed: dict  # A checkpoint saves and restores these stateful parts, by name.
+    optimizers: list
+    schedulers: list
+    scaler: torch.amp.GradScaler  # It scales fp16's loss, and it is disabled otherwise.
+    autocast: object  # This is --amp's autocast, or a context that does nothing.
+    sampler: DistributedSampler
+    batch_sampler: "ResumableBatchSampler"
+    loader: DataLoader
+    eval_loader: DataLoader
+    local_sums: "LocalSums"  # These are this rank's sums since the last loss all_reduce.
 
 
 @errors.record  # Under torchrun, this puts a worker's traceback in torchrun's failure summary.
@@ -376,7 +462,7 @@ def train(args, world):
             # All ranks reduce the loss only here, as a reduction at every step waits for the GPU.
             if log_now or eval_now or save_now:
                 reduced = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
-                state.rank_sums = DeviceSums(world.device, step)  # The sums start again.
+                state.local_sums = LocalSums(world.device, step)  # The sums start again.
                 progress.epoch_totals.add(reduced)
                 progress.window_totals.add(reduced)
             progress.records = []  # These wait for the save, as Progress.records says.
@@ -386,18 +472,18 @@ def train(args, world):
                 metrics["grad_norm"] = grad_norm.item()
                 metrics |= speed.metrics(step, progress.window_totals.count)
                 progress.records.append({"kind": "progress"} | position | metrics)
-                progress.window_totals = HostSums()
+                progress.window_totals = ReducedSums()
             if step == epoch_end:  # An epoch's record evaluates too, so no eval record follows.
                 metrics = epoch_metrics(world, state, epoch, lr, epoch_started)
                 progress.records.append({"kind": "epoch"} | position | metrics)
-                progress.epoch_totals = HostSums()
+                progress.epoch_totals = ReducedSums()
             elif eval_now and len(state.eval_loader.dataset):
                 progress.records.append({"kind": "eval"} | position)
             # All ranks save first, so that the grace period after a stop signal goes to the save.
             if save_now:
                 save_checkpoint(args, world, state)
-            # After a stop, the rerun writes these records first. No rerun follows the last step.
-            if step == plan.total_steps or not stop.should_stop:
+            # A stop leaves these records to the rerun. But no rerun follows the last step.
+            if not stop.should_stop or step == plan.total_steps:
                 evaluate_and_write_records(args, world, state, progress.records)
     return finish(args, world, state, stop)
 
@@ -408,7 +494,8 @@ def setup_training(args, world):
     path, checkpoint = read_checkpoint(args.out_dir)
     plan = make_plan(args, world, len(train_set), path, checkpoint)
     optimizers = call_task(build_optimizer, args, model, plan)
-    optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if not isinstance(optimizers, (list, tuple)):
+        optimizers = [optimizers]  # The task may return one optimizer or a list of them.
     schedulers = [
         call_task(build_scheduler, args, opt, plan.total_steps, plan) for opt in optimizers
     ]
@@ -453,7 +540,7 @@ def setup_training(args, world):
         forward_model=forward_model, checkpointed=checkpointed, optimizers=optimizers,
         schedulers=schedulers, scaler=scaler, autocast=autocast, sampler=sampler,
         batch_sampler=batch_sampler, loader=loader, eval_loader=eval_loader,
-        rank_sums=DeviceSums(world.device, progress.step),
+        local_sums=LocalSums(world.device, progress.step),
     )  # fmt: skip
 
 
@@ -472,7 +559,7 @@ def train_step(args, world, state, micro_batches, want_norm):
             with state.autocast:
                 output = call_task(compute_loss, state.forward_model, batch, args)
                 loss, count, metrics = unpack_loss(output)
-            state.rank_sums.add(loss, count, metrics)
+            state.local_sums.add(loss, count, metrics)
             # In a token run's first step, the first micro-batch gives the guess of the count.
             if progress.expected_count is None:
                 progress.expected_count = sum_over_ranks(world, count) * state.plan.grad_accum
@@ -532,91 +619,6 @@ def finish(args, world, state, stop):
     return 75 if stopped_early else 0
 
 
-@dataclasses.dataclass
-class TrainState:
-    """Everything that training holds. setup_training() makes it, in running order."""
-
-    plan: "Plan"
-    progress: "Progress"
-    raw_model: nn.Module  # We save and evaluate the raw module, and report() gets it.
-    ddp_model: nn.Module  # DDP's wrapper gives no_sync(). A single process has the raw module here.
-    forward_model: nn.Module  # compute_loss trains this: the DDP model, or its compiled one.
-    checkpointed: dict  # A checkpoint saves and restores these stateful parts, by name.
-    optimizers: list
-    schedulers: list
-    scaler: torch.amp.GradScaler  # It scales fp16's loss, and it is disabled otherwise.
-    autocast: object  # This is --amp's autocast, or a context that does nothing.
-    sampler: DistributedSampler
-    batch_sampler: "ResumableBatchSampler"
-    loader: DataLoader
-    eval_loader: DataLoader
-    rank_sums: "DeviceSums"  # These are this rank's sums since the last loss all_reduce.
-
-
-@dataclasses.dataclass
-class Plan:
-    """What a step is, and how many steps there are."""
-
-    global_batch: int  # This counts the samples of a step over all ranks.
-    grad_accum: int  # This counts the micro-batches of a step on each rank.
-    steps_per_epoch: int  # Each step is a full global batch, so an epoch drops its partial end.
-    total_steps: int
-
-
-@dataclasses.dataclass
-class HostSums:
-    """Sums over all ranks, kept on the host for the records.
-
-    For the loss and each metric, the sum adds each mean times its count. The count adds up the
-    items. A logged mean is then a sum divided by the count."""
-
-    sums: dict = dataclasses.field(default_factory=dict)
-    count: float = 0.0
-
-    def add(self, other):
-        for name, value in other.sums.items():
-            self.sums[name] = self.sums.get(name, 0.0) + value
-        self.count += other.count
-
-    def means(self, prefix):
-        """Return {prefix + name: mean}. It is empty where no item was counted, as in a window
-        without a single token."""
-        if not self.count:
-            return {}
-        return {f"{prefix}{name}": value / self.count for name, value in self.sums.items()}
-
-
-@dataclasses.dataclass
-class Progress:
-    """The run's position, and the sums that its next records report. Every checkpoint saves it."""
-
-    step: int = 0  # This counts the optimizer steps done.
-    # These sum the steps of this epoch, and the steps since the last progress record.
-    epoch_totals: HostSums = dataclasses.field(default_factory=HostSums)
-    window_totals: HostSums = dataclasses.field(default_factory=HostSums)
-    # This is the step's count over all ranks, as we expect it before the step. Each micro-batch
-    # weighs its mean by its count divided by this. For samples, it is exact: the global batch.
-    # A token count comes out of compute_loss, after the forward, but the weight must be known
-    # before that micro-batch's backward. So a token run uses the last step's count as a guess,
-    # and train_step rescales the gradients to the real count after the backward. None means that
-    # the first step has not started, and its first micro-batch gives the guess.
-    expected_count: object = None
-    # These are the records of the last step that wait to be written. A record lives in four steps.
-    # 1. The loop adds it after its step. An eval or epoch record has no eval metrics yet.
-    # 2. The step's checkpoint saves it, as a part of Progress.
-    # 3. evaluate_and_write_records() evaluates for it, and rank 0 writes it to metrics.jsonl.
-    # 4. A stop or a crash can come between 2 and 3. Then the resumed run does 3 before it trains.
-    #    setup_training() leaves out the records that metrics.jsonl already holds.
-    records: list = dataclasses.field(default_factory=list)
-
-    @classmethod
-    def from_dict(cls, saved):
-        progress = cls(**saved)
-        progress.epoch_totals = HostSums(**saved["epoch_totals"])
-        progress.window_totals = HostSums(**saved["window_totals"])
-        return progress
-
-
 # ====== 4. Exact means ============================================================================
 # The gradient and the logged figures are exact means over all the items of a step. The test
 # test_n_processes_x_b_with_accumulation_equal_one_process_x_n_times_b proves it.
@@ -654,12 +656,12 @@ def unpack_loss(output):
     return loss, count, metrics
 
 
-class DeviceSums:
+class LocalSums:
     """This rank's sums, kept on the device, so that no step waits for the GPU.
 
     For the loss and each metric, the sum adds each mean times its count. In training, the sums
     start again after each loss all_reduce. In evaluation, they cover the whole eval set.
-    HostSums holds the same sums after they have been reduced and read to the host."""
+    ReducedSums holds the same sums after they have been reduced and read to the host."""
 
     def __init__(self, device, since_step):
         self.device = device
@@ -680,23 +682,23 @@ class DeviceSums:
         return torch.stack([*self.sums.values(), on_device(self.count, self.device)])
 
     def to_host(self, packed):
-        """Read packed sums to the host, as HostSums. This is the one read of the device."""
+        """Read packed sums to the host, as ReducedSums. This is the one read of the device."""
         values = packed.tolist()
-        return HostSums(dict(zip(self.sums, values[:-1])), values[-1])
+        return ReducedSums(dict(zip(self.sums, values[:-1])), values[-1])
 
 
 def all_reduce_losses(world, state):
     """All ranks add up their training sums since the last call, and check them. This is the
-    tutorials' loss all_reduce. It returns the sums of all ranks as HostSums.
+    tutorials' loss all_reduce. It returns the sums of all ranks as ReducedSums.
 
     It adds with SUM, because gloo does not support AVG on every torch version. A non-finite loss
     or weight stops every rank here, before any record or checkpoint holds it."""
-    rank_sums, step = state.rank_sums, state.progress.step
-    packed = rank_sums.packed()
+    local_sums, step = state.local_sums, state.progress.step
+    packed = local_sums.packed()
     if world.world_size > 1:
         dist.all_reduce(packed)  # DDP: Add up every rank's sums.
-    totals = rank_sums.to_host(packed)
-    samples = (step - rank_sums.since_step) * state.plan.global_batch
+    totals = local_sums.to_host(packed)
+    samples = (step - local_sums.since_step) * state.plan.global_batch
     advice = (
         "the run diverged; nothing non-finite was saved. Lower --lr, or pass --clip-grad-norm 1.0"
     )
@@ -753,23 +755,23 @@ def evaluate(args, world, model, eval_loader, autocast):
             dist.broadcast(buffer, 0)
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
-    rank_sums = DeviceSums(world.device, since_step=0)
+    local_sums = LocalSums(world.device, since_step=0)
     for batch in eval_loader:
         with autocast:
             output = call_task(compute_loss, model, to_device(batch, world.device), args)
             loss, n, metrics = unpack_loss(output)
-        rank_sums.add(loss, n, metrics)
+        local_sums.add(loss, n, metrics)
     # Trap: Do not call model.train(). A part that the task froze in eval mode must stay so.
     for module, training in modes:
         module.train(training)
-    this_rank = rank_sums.to_host(rank_sums.packed())
+    this_rank = local_sums.to_host(local_sums.packed())
     per_rank = [this_rank]
     # A rank's share may be empty, and then its sums have no names. So the ranks gather objects,
     # not tensors of one shape.
     if world.world_size > 1:
         per_rank = [None] * world.world_size
         dist.all_gather_object(per_rank, this_rank, group=world.cpu_group)  # DDP: Gather all sums.
-    totals = HostSums()
+    totals = ReducedSums()
     for rank_totals in per_rank:
         totals.add(rank_totals)
     metrics = totals.means("eval_") | {"eval_samples": len(eval_loader.dataset)}
@@ -1309,9 +1311,9 @@ def spawn(processes, argv):
 
 
 def round_store(timeout):
-    """Return a store for this round of workers alone, or None where torchrun does not share its
-    store. A round is one start of the workers, and torchrun starts a new round at each restart
-    and each change of nodes. Only then does the new store matter, and it costs little.
+    """Return a store for this round of workers alone, so that a restarted run does not wait for
+    workers that are gone. A round is one start of the workers, and torchrun starts a new round at
+    each restart and each change of nodes. Without torchrun's shared store, it returns None.
 
     Trap: torchrun 2.5 and later keeps one store for all the rounds of a job. A new round would
     find the old round's keys there and wait for workers that are gone (pytorch/pytorch#135712).
@@ -1348,9 +1350,10 @@ def torchrun_variables_from_slurm(env):
     variables = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_STEP_NUM_TASKS"]}
     variables["LOCAL_RANK"] = env["SLURM_LOCALID"]
     variables["MASTER_ADDR"] = env.get("MASTER_ADDR") or first_host(env["SLURM_STEP_NODELIST"])
-    # The port lies in 61000 to 65499, above Linux's ephemeral ports. The formula only spreads the
-    # jobs over that range. The job id, the step id and the requeue count each move the port, so
-    # two jobs on one node get two ports, and a requeued job does not wait for its old port.
+    # The port lies in 61000 to 65499, above Linux's ephemeral ports. Each job gets 11 ports in a
+    # row, one for each of its first 11 job steps, so two jobs on one node get two ports. A requeue
+    # moves the port by 2221, about half the range, so the requeued job does not wait for its old
+    # port. The numbers have no other meaning, and run_multi_node.sh uses the same formula.
     ids = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT")
     job, step, requeues = (int(env.get(name, 0)) for name in ids)
     port = 61000 + (job * 11 + step + 2221 * requeues) % 4500
@@ -1360,7 +1363,9 @@ def torchrun_variables_from_slurm(env):
 
 def first_host(nodelist):
     """Return the first host of a SLURM node list. "gpu[07-09,12]-ib,cpu1" gives "gpu07-ib"."""
+    # The first entry ends at the first comma outside brackets. Here it is "gpu[07-09,12]-ib".
     first_entry = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist).group()
+    # Each bracket becomes its first number. "gpu[07-09,12]-ib" becomes "gpu07-ib".
     return re.sub(r"\[(\d+)[^\]]*\]", r"\1", first_entry)
 
 

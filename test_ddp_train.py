@@ -1106,9 +1106,9 @@ def test_make_help_lists_every_target_once():
 # lines. The task functions' access to the plan and the flags added 85 tokens and 21 lines. The
 # paragraph that opens each section of the machinery added 35 lines. The cold readers asked for
 # World.local_rank, plain bools in the loop and one function for the records that a resume
-# writes, which added 26 tokens.
+# writes, which added 25 tokens. The explanations that they could not follow grew by 10 lines.
 # The longest function fits a screen.
-CEILING = {"tokens": 7226, "lines": 1429, "function lines": 60}
+CEILING = {"tokens": 7225, "lines": 1434, "function lines": 60}
 
 
 def test_the_script_stays_within_its_budget():
