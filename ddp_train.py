@@ -369,8 +369,10 @@ class Progress:
     # weighs its mean by its count divided by this. For samples, it is exact: the global batch.
     # A token count comes out of compute_loss, after the forward, but the weight must be known
     # before that micro-batch's backward. So a token run uses the last step's count as a guess,
-    # and train_step rescales the gradients to the real count after the backward. None means that
-    # the first step has not started, and its first micro-batch gives the guess.
+    # and train_step rescales the gradients to the real count after the backward. A count that all
+    # ranks added up before each backward would make every micro-batch wait for the GPU and for the
+    # other ranks. None means that the first step has not started, and its first micro-batch gives
+    # the guess.
     expected_count: object = None
     # These are the records of the last step that wait to be written. A record lives in four steps.
     # 1. The loop adds it after its step. An eval or epoch record has no eval metrics yet.
@@ -1196,7 +1198,10 @@ def check_same_start(world, step):
     if world.world_size > 1:
         starts = [None] * world.world_size
         dist.all_gather_object(starts, step, group=world.cpu_group)
-        check(len(set(starts)) == 1, f"the ranks start at steps {starts}: a shared --out-dir")
+        check(
+            len(set(starts)) == 1,
+            f"the ranks start at steps {starts}: pass an --out-dir on a disk that all nodes share",
+        )
 
 
 def loader_options(args, world):

@@ -969,7 +969,10 @@ def test_a_checkpoint_that_only_one_node_sees_is_one_line(tmp_path, reference):
         ]
         with nodes[0], nodes[1]:
             assert [n.wait() for n in nodes] == [2, 2], nodes[0].stderr + nodes[1].stderr
-    says = "ddp_train.py: error: the ranks start at steps [62, 0]: a shared --out-dir"
+    says = (
+        "ddp_train.py: error: the ranks start at steps [62, 0]: pass an --out-dir on a disk that "
+        "all nodes share"
+    )
     assert last_line(nodes[0].stderr) == says and not nodes[1].stderr, nodes[0].stderr
     assert {p.name: p.read_bytes() for p in (tmp_path / "node0/out").iterdir()} == before
     assert not (tmp_path / "node1/out").exists()
@@ -1106,9 +1109,9 @@ def test_make_help_lists_every_target_once():
 # lines. The task functions' access to the plan and the flags added 85 tokens and 21 lines. The
 # paragraph that opens each section of the machinery added 35 lines. The cold readers asked for
 # World.local_rank, plain bools in the loop and one function for the records that a resume
-# writes, which added 25 tokens. The explanations that they could not follow grew by 10 lines.
+# writes, which added 26 tokens. The explanations that they could not follow grew by 15 lines.
 # The longest function fits a screen.
-CEILING = {"tokens": 7225, "lines": 1434, "function lines": 60}
+CEILING = {"tokens": 7226, "lines": 1439, "function lines": 60}
 
 
 def test_the_script_stays_within_its_budget():
