@@ -198,7 +198,6 @@ class World:
     """This process's place in the run."""
 
     rank: int  # The rank goes from 0 to world_size - 1 over all nodes.
-    local_rank: int  # The local rank goes from 0 to the number of processes on this node - 1.
     world_size: int
     device: torch.device
     # Small CPU messages go over gloo. They are the stop flag, the random states and the barrier.
@@ -212,16 +211,14 @@ def init_distributed(timeout_s):
 
     The place comes from torchrun's variables. --spawn and the legacy launcher set them too. A bare
     srun sets SLURM's variables, and the script translates them. Plain python is one process."""
-    if "RANK" not in os.environ:
-        os.environ.update(
-            torchrun_variables_from_slurm(os.environ)
-        )  # This adds nothing outside SLURM.
+    if "RANK" not in os.environ:  # Outside SLURM, this adds nothing.
+        os.environ.update(torchrun_variables_from_slurm(os.environ))
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = pick_device(local_rank)
     if world_size == 1:
-        return World(rank, local_rank, world_size, device)
+        return World(rank, world_size, device)
     timeout = datetime.timedelta(seconds=timeout_s)
     # DDP: Join the process group. GPUs use NCCL and CPUs use gloo. The timeout turns a missing
     # peer into an error instead of a hang.
@@ -244,7 +241,7 @@ def init_distributed(timeout_s):
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     else:
         cpu_group = dist.group.WORLD
-    return World(rank, local_rank, world_size, device, cpu_group)
+    return World(rank, world_size, device, cpu_group)
 
 
 def pick_device(local_rank):
@@ -289,10 +286,7 @@ def cleanup_distributed(world):
 
 # ====== 3. The loop: read this section first ======================================================
 # main(), train() and train_step() are the tutorials' loop, in torch's own names. The flags and the
-# state that the loop keeps come before them. A reader who stops at the end of this section has
-# seen the whole flow. The functions that it calls from later sections are named for what they do.
-# Each later section opens with what it guarantees and the test that proves it, so that a first
-# read can trust it and skip it.
+# state that the loop keeps come before them. A first read can stop at the end of this section.
 
 
 # These are the script's flags. Each entry gives the name, the default and the help text, and the
@@ -350,8 +344,7 @@ class ReducedSums:
         self.count += other.count
 
     def means(self, prefix):
-        """Return {prefix + name: mean}. It is empty where no item was counted, as in a window
-        without a single token."""
+        """Return {prefix + name: mean}, or {} where no item was counted."""
         if not self.count:
             return {}
         return {f"{prefix}{name}": value / self.count for name, value in self.sums.items()}
@@ -366,13 +359,12 @@ class Progress:
     epoch_totals: ReducedSums = dataclasses.field(default_factory=ReducedSums)
     window_totals: ReducedSums = dataclasses.field(default_factory=ReducedSums)
     # This is the step's count over all ranks, as we expect it before the step. Each micro-batch
-    # weighs its mean by its count divided by this. For samples, it is exact: the global batch.
-    # A token count comes out of compute_loss, after the forward, but the weight must be known
+    # weighs its mean by its count divided by this. For samples, it is the global batch, and exact.
+    # A token count comes out of compute_loss after the forward, but the weight must be known
     # before that micro-batch's backward. So a token run uses the last step's count as a guess,
     # and train_step rescales the gradients to the real count after the backward. A count that all
     # ranks added up before each backward would make every micro-batch wait for the GPU and for the
-    # other ranks. None means that the first step has not started, and its first micro-batch gives
-    # the guess.
+    # other ranks. None means that no step has made a guess yet.
     expected_count: object = None
     # These are the records of the last step that wait to be written. A record lives in four steps.
     # 1. The loop adds it after its step. An eval or epoch record has no eval metrics yet.
@@ -646,9 +638,10 @@ def unpack_loss(output):
             "compute_loss must return (loss, count) or (loss, count, {name: mean}): loss the mean "
             f"over count items, a 0-dim tensor; it returned {type(output).__name__}{shape}"
         )
-    if not RESERVED_METRICS.isdisjoint(metrics):
-        taken = sorted(RESERVED_METRICS.intersection(metrics))
-        fail(f"compute_loss's metric {taken[0]!r} is one of the script's own names: rename it")
+    taken = RESERVED_METRICS.intersection(metrics)
+    check(
+        not taken, f"compute_loss's metrics {sorted(taken)} are the script's own names: rename them"
+    )
     if torch.is_tensor(count):
         loss = torch.where(count > 0, loss, 0.0)
         metrics = {name: torch.where(count > 0, mean, 0.0) for name, mean in metrics.items()}
@@ -659,11 +652,10 @@ def unpack_loss(output):
 
 
 class LocalSums:
-    """This rank's sums, kept on the device, so that no step waits for the GPU.
+    """This rank's sums, as ReducedSums says, kept on the device so that no step waits for the GPU.
 
-    For the loss and each metric, the sum adds each mean times its count. In training, the sums
-    start again after each loss all_reduce. In evaluation, they cover the whole eval set.
-    ReducedSums holds the same sums after they have been reduced and read to the host."""
+    In training, the sums start again after each loss all_reduce. In evaluation, they cover the
+    whole eval set."""
 
     def __init__(self, device, since_step):
         self.device = device
@@ -768,8 +760,7 @@ def evaluate(args, world, model, eval_loader, autocast):
         module.train(training)
     this_rank = local_sums.to_host(local_sums.packed())
     per_rank = [this_rank]
-    # A rank's share may be empty, and then its sums have no names. So the ranks gather objects,
-    # not tensors of one shape.
+    # A rank's share may be empty, with no names in its sums. So the ranks gather objects.
     if world.world_size > 1:
         per_rank = [None] * world.world_size
         dist.all_gather_object(per_rank, this_rank, group=world.cpu_group)  # DDP: Gather all sums.
@@ -835,8 +826,7 @@ class Throughput:
 
 
 def write_record(args, world, record, model, total_steps, to_file=True):
-    """Rank 0 writes a record to the console, to metrics.jsonl and to report(). A record is of the
-    kind progress, eval or epoch."""
+    """Rank 0 writes a progress, eval or epoch record to the console, metrics.jsonl and report()."""
     if world.rank != 0:
         return
     shown = [
@@ -877,17 +867,20 @@ def unwritten_records(args, world, progress):
     records = progress.records
     path = f"{args.out_dir}/metrics.jsonl"
     if world.rank == 0 and os.path.exists(path):
-        in_file = []
+        kept_lines = []
+        written_kinds = set()  # These are the kinds of the file's records at the checkpoint's step.
         with open(path) as f:
             for line in f:
                 with contextlib.suppress(ValueError):  # A crash can tear the last line.
-                    in_file.append(json.loads(line))
-        kept = [record for record in in_file if record["step"] <= progress.step]
+                    record = json.loads(line)
+                    if record["step"] <= progress.step:
+                        kept_lines.append(line)
+                    if record["step"] == progress.step:
+                        written_kinds.add(record["kind"])
         with open(f"{path}.tmp", "w") as f:
-            f.writelines(json.dumps(record) + "\n" for record in kept)
+            f.writelines(kept_lines)
         os.replace(f"{path}.tmp", path)
-        written = {record["kind"] for record in kept if record["step"] == progress.step}
-        records = [record for record in records if record["kind"] not in written]
+        records = [record for record in records if record["kind"] not in written_kinds]
     if world.world_size > 1:
         shared = [records]
         dist.broadcast_object_list(shared, src=0, group=world.cpu_group)
@@ -982,8 +975,7 @@ def read_checkpoint(out_dir):
         if not os.path.exists(path):
             continue
         if path.endswith(".tmp") and not zipfile.is_zipfile(path):
-            # A save that was cut short has no zip directory at its end. It was never published as
-            # the checkpoint, so nothing is lost without it.
+            # A save that was cut short has no zip directory at its end. It was never published.
             log(f"{path} was cut short while it was written, so the run starts without it")
             continue
         try:
@@ -1085,8 +1077,7 @@ def set_rng_state(state):
 
 
 class StopAgreement:
-    """A stop signal on any rank stops every rank after the same step. Preemption sends SIGTERM or
-    SIGUSR1.
+    """The stop flag that all ranks agree on. Preemption sends SIGTERM or SIGUSR1.
 
     Trap: The handler only notes the signal, because a collective inside a handler deadlocks. In
     each step, every rank sends its note in an asynchronous all-reduce over gloo. The rank sends it
@@ -1176,12 +1167,9 @@ def make_plan(args, world, train_size, path, checkpoint):
         hint = "" if global_batch % world.world_size == 0 else ", on a world size that divides it"
         fail(
             f"the global batch of {global_batch} is not {world.world_size} processes x "
-            f"--batch-size {args.batch_size} x a whole accumulation: "
-            "pass a --batch-size that divides "
-            f"{per_process}{hint}"
+            f"--batch-size {args.batch_size} x a whole accumulation: pass a --batch-size that "
+            f"divides {per_process}{hint}"
         )
-    # Every step is a full global batch. So an epoch leaves out its last, incomplete batch, as in
-    # nanoGPT.
     steps_per_epoch = train_size // global_batch
     check(
         steps_per_epoch > 0,
@@ -1205,24 +1193,21 @@ def check_same_start(world, step):
 
 
 def loader_options(args, world):
-    """Return the DataLoader options that both loaders share.
-
-    Trap: The workers must ignore the stop signals. Otherwise torchrun's SIGTERM kills them, and the
-    trainer dies before it saves. Trap: Each rank needs a generator of its own. Otherwise the
-    workers' seeds come from the global generator, which is the same on every rank."""
+    """Return the DataLoader options that both loaders share."""
     return dict(
         collate_fn=collate_fn,
         num_workers=args.workers,
-        worker_init_fn=ignore_signals,
+        worker_init_fn=ignore_signals,  # Trap: ignore_signals() says why.
         persistent_workers=args.workers > 0,
         pin_memory=world.device.type == "cuda",
+        # Trap: Each rank needs a generator of its own. Otherwise the workers' seeds come from the
+        # global generator, which is the same on every rank, and the ranks augment alike.
         generator=torch.Generator().manual_seed(args.seed + 1 + world.rank),
     )
 
 
 def make_eval_loader(args, world, eval_set):
-    """Return the eval DataLoader. Rank r evaluates samples r, r + world size, and so on. Nothing
-    pads the shares, so each sample counts once."""
+    """Return the eval DataLoader. Its shares do not overlap, as evaluate() says."""
     share = range(world.rank, len(eval_set), world.world_size)
     return DataLoader(eval_set, args.batch_size, sampler=share, **loader_options(args, world))
 
