@@ -639,9 +639,8 @@ def unpack_loss(output):
             f"over count items, a 0-dim tensor; it returned {type(output).__name__}{shape}"
         )
     taken = RESERVED_METRICS.intersection(metrics)
-    check(
-        not taken, f"compute_loss's metrics {sorted(taken)} are the script's own names: rename them"
-    )
+    if taken:
+        fail(f"compute_loss's metrics {sorted(taken)} are the script's own names: rename them")
     if torch.is_tensor(count):
         loss = torch.where(count > 0, loss, 0.0)
         metrics = {name: torch.where(count > 0, mean, 0.0) for name, mean in metrics.items()}

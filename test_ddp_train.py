@@ -1109,7 +1109,7 @@ def test_make_help_lists_every_target_once():
 # lines. The task functions' access to the plan and the flags added 85 tokens and 21 lines. The
 # paragraph that opens each section of the machinery added 35 lines. The longest function fits a
 # screen.
-CEILING = {"tokens": 7200, "lines": 1424, "function lines": 60}
+CEILING = {"tokens": 7200, "lines": 1423, "function lines": 60}
 
 
 def test_the_script_stays_within_its_budget():
