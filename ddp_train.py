@@ -844,11 +844,10 @@ def log_header(args, world, state):
     """Rank 0 says what this run is, in three lines."""
     plan, train_size = state.plan, len(state.sampler.dataset)
     backend = dist.get_backend() if world.world_size > 1 else "no process group"
-    threads = torch.get_num_threads()
     left_out = train_size - plan.steps_per_epoch * plan.global_batch
     log(
         f"{PROG}: world size {world.world_size}, {backend}, {world.device}, "
-        f"{threads} thread(s)/process,\n"
+        f"{torch.get_num_threads()} thread(s)/process,\n"
         f"torch {torch.__version__}; files in {args.out_dir}: "
         "checkpoint.pt, metrics.jsonl, model.pt\n"
         f"global batch {plan.global_batch} = {args.batch_size}/process x {world.world_size} x "
@@ -873,7 +872,8 @@ def unwritten_records(args, world, progress):
                 with contextlib.suppress(ValueError):  # A crash can tear the last line.
                     record = json.loads(line)
                     if record["step"] <= progress.step:
-                        kept_lines.append(line)
+                        # A line that a crash cut just after its record is whole but has no newline.
+                        kept_lines.append(line.rstrip("\n") + "\n")
                     if record["step"] == progress.step:
                         written_kinds.add(record["kind"])
         with open(f"{path}.tmp", "w") as f:

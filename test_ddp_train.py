@@ -584,12 +584,15 @@ def test_a_stop_saves_before_it_evaluates_and_the_rerun_writes_the_evaluation_fi
 def test_a_crash_between_a_checkpoint_and_its_records_loses_no_record(project, tmp_path, reference):
     # Step 20 saves, then logs a progress record and an eval record. Rank 0 dies in report() after
     # the progress record: the rerun resumes from step 20 and writes its eval record first.
+    # The crash also cut the file just after the progress record, before its newline.
     args = [*RESUME, "--eval-every", 20]
     cmd = user_cmd(project, "torchrun 2", *args)
     env = clean_env(VARIANT="report,killreport", FAIL_STEP=20, RECORD=tmp_path / "report")
     crashed = run(cmd, tmp_path, expect=None, env=env)
     written = [(m["kind"], m["step"]) for m in crashed.metrics]
     assert crashed.returncode != 0 and written == [("progress", 20)], crashed
+    metrics_file = tmp_path / "out/metrics.jsonl"
+    metrics_file.write_text(metrics_file.read_text().removesuffix("\n"))
     r = run(cmd, tmp_path, env=env)
     assert f"resumed from {tmp_path}/out/checkpoint.pt at step 20," in r.stdout, r
     whole = reference(cmd)
