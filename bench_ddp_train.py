@@ -318,9 +318,12 @@ def gpu_modes(opts) -> int:
             if note and note != "resume":
                 print(f"{label:<32} {'-':>5}  skipped: {note}", flush=True)
                 continue
-            run = lambda o: subprocess.run(
-                [*cmd, "--out-dir", str(o)], env=env, capture_output=True, text=True
-            )  # noqa: E731
+
+            def run(out_dir, cmd=cmd):
+                return subprocess.run(
+                    [*cmd, "--out-dir", str(out_dir)], env=env, capture_output=True, text=True
+                )
+
             if note == "resume":
                 code = resumed(cmd, out, env, run(Path(workdir) / "whole"))
             else:

@@ -1318,6 +1318,9 @@ def read_items(dataset, indices, kept=None):
             return [item for part in parts for item in part]
         if all(isinstance(part, tuple) and all(map(torch.is_tensor, part)) for part in parts):
             return tuple(torch.cat(fields) for fields in zip(*parts))  # a batch of tensors
+        values = [value for part in parts if isinstance(part, dict) for value in part.values()]
+        if all(isinstance(part, dict) for part in parts) and all(map(torch.is_tensor, values)):
+            return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}  # a dict
         seed_all(indices[0])  # (a batch of another kind: read at once, from one random state)
         return dataset.__getitems__(indices)
     finally:

@@ -44,11 +44,11 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-# Trap: Keep this import, although nothing here uses it. The functions of this module have the
-# default argument group=group.WORLD, and Python evaluates a default once, when it imports the
-# module. DDP imports the module after init_process_group, so the defaults would hold the process
-# group, and gloo's threads with it, until the interpreter exits. A thread that is still alive then
-# can abort a run that has saved ("terminate called"). Imported here, the defaults hold None.
+# Trap: Keep this import, although nothing here uses it. Its functions have the default argument
+# group=group.WORLD, and Python computes a default once, at the import. After init_process_group,
+# group.WORLD is the process group. DDP imports this module late, so each default would keep the
+# group, and gloo's threads with it, until the interpreter exits. Such a thread can abort a run that
+# has saved ("terminate called"). Imported here, before the group exists, each default is None.
 import torch.distributed.nn.functional  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -200,9 +200,8 @@ class World:
     rank: int  # The rank goes from 0 to world_size - 1 over all nodes.
     world_size: int
     device: torch.device
-    # Small CPU messages go over gloo. They are the stop flag, the random states and the barrier.
-    # On CPUs this is the process group itself. On GPUs it is a gloo group beside the NCCL group.
-    # A single process has no group, and this stays None.
+    # Small CPU messages, such as the stop flag, go over this gloo group. On GPUs it is a group
+    # beside the NCCL group. On CPUs it is the process group itself. One process has no group.
     cpu_group: object = None
 
 
@@ -276,8 +275,8 @@ def cleanup_distributed(world):
         return
     # Trap: On torch before 2.8, destroy_process_group() can hang (pytorch#154976). It frees gloo's
     # backend while it holds the GIL, and the backend waits for its threads, which wait for the GIL.
-    # So we keep the backend alive through destroy_process_group() and free it last with `del`,
-    # which releases the GIL while the threads stop. On torch 2.8 and later, this changes nothing.
+    # Our own reference keeps the backend alive through destroy_process_group(). Then `del` frees it
+    # without the GIL. A copy that needs torch 2.8 or later may drop the two lines of gloo_backend.
     gloo_backend = world.cpu_group._get_backend(torch.device("cpu"))
     world.cpu_group = None  # This drops the last reference, so the group goes with destroy.
     dist.destroy_process_group()  # DDP: Leave the process group.
@@ -476,7 +475,7 @@ def train(args, world):
             # All ranks save first, so that the grace period after a stop signal goes to the save.
             if save_now:
                 save_checkpoint(args, world, state)
-            # A stop leaves these records to the rerun. But no rerun follows the last step.
+            # The rerun of a stopped run writes these records. But no rerun follows the last step.
             if not stop.should_stop or step == plan.total_steps:
                 evaluate_and_write_records(args, world, state, progress.records)
     return finish(args, world, state, stop)
@@ -625,8 +624,9 @@ RESERVED_METRICS = {"loss", "samples", "tokens"}
 def unpack_loss(output):
     """Check the result of compute_loss, and return it as (loss, count, metrics).
 
-    A mean over no items is 0/0, which is NaN. Such a mean weighs nothing, so the loss and each
-    metric become 0 there. Then NaN never reaches a sum."""
+    A mean over no items is 0/0, which is NaN. It weighs nothing, so it becomes 0, and NaN never
+    reaches a sum. For a tensor count, torch.where does this on the device, and no step waits for
+    the GPU."""
     loss, count, metrics = output, None, None
     if isinstance(output, tuple) and len(output) == 2:
         loss, count, metrics = *output, {}
@@ -859,9 +859,9 @@ def log_header(args, world, state):
 def unwritten_records(args, world, progress):
     """Return the checkpoint's records that metrics.jsonl does not hold yet, on every rank.
 
-    At a resume, rank 0 also removes the records past the checkpoint's step from metrics.jsonl. A
-    crash can leave such records behind, and the resumed run writes them again. So each record
-    stays in the file once. All ranks take rank 0's list, since every rank evaluates for them."""
+    Rank 0 drops the file's records past the checkpoint's step, which the run writes again. A crash
+    while rank 0 wrote the step's records can leave some of them in the file, and this leaves those
+    out. So each record is in the file once. All ranks take rank 0's list, as they all evaluate."""
     records = progress.records
     path = f"{args.out_dir}/metrics.jsonl"
     if world.rank == 0 and os.path.exists(path):
@@ -1248,11 +1248,11 @@ def to_device(batch, device):
 def call_task(function, *arguments):
     """Call a task function with as many of the arguments as it takes. The task functions of older
     copies have fewer parameters, and compute_loss(model, batch) still works."""
-    return function(*arguments[: count_parameters(function)])
+    return function(*arguments[: arguments_taken(function)])
 
 
 @functools.cache
-def count_parameters(function):
+def arguments_taken(function):
     """The cache keeps inspect's slow reading of a signature out of every step."""
     return len(inspect.signature(function).parameters)
 

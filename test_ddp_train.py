@@ -1636,6 +1636,26 @@ def build_datasets(args):  # random_split gives a Subset, which reads a batch wi
 ddp_train.build_datasets = build_datasets
 """,
     ),
+    "augmented-dict-batches": (
+        (2, 3),
+        """
+class DictBatches(Noisy):  # It reads a whole batch as a dict of tensors, and it can add noise.
+    def __init__(self, dataset, noise):
+        self.dataset, self.noise = dataset, noise
+    def __getitems__(self, indices):
+        inputs, targets = self.dataset.__getitems__(indices)
+        return {"inputs": inputs + self.noise * torch.randn(inputs.shape), "targets": targets}
+def build_datasets(args):
+    train_set, eval_set = build_default(args)
+    return DictBatches(train_set, noise=0.1), DictBatches(eval_set, noise=0.0)
+def collate_fn(batch):
+    return batch
+def compute_loss(model, batch):
+    return loss_default(model, (batch["inputs"], batch["targets"]))
+ddp_train.build_datasets, ddp_train.collate_fn = build_datasets, collate_fn
+ddp_train.compute_loss = compute_loss
+""",
+    ),
     "batch-mixer-and-own-draws": (
         (2,),
         """
@@ -1734,6 +1754,7 @@ def test_make_check_passes_a_correct_copy_that_differs_by_design(tmp_path, copy)
     }
     neutralised = {
         "augmented-subset": ["the Dataset's draws seeded per item"],
+        "augmented-dict-batches": ["the Dataset's draws seeded per item"],
         "resnet": ["BatchNorm2d x 5 at fixed statistics", "the Dataset's draws seeded per item"],
     }
     neutralised["resnet-workers"] = neutralised["resnet"]
