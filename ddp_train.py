@@ -44,11 +44,13 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-# Trap: Keep this import, although nothing here uses it. Its functions have the default argument
-# group=group.WORLD, and Python computes a default once, at the import. After init_process_group,
-# group.WORLD is the process group. DDP imports this module late, so each default would keep the
-# group, and gloo's threads with it, until the interpreter exits. Such a thread can abort a run that
-# has saved ("terminate called"). Imported here, before the group exists, each default is None.
+# Trap: Keep this import, although nothing here uses it. It prevents an abort at exit.
+# The functions of this module have the default argument group=group.WORLD. Python computes a
+# default once, when it imports the module. DDP imports this module late, after init_process_group,
+# and then each default holds our process group. cleanup_distributed() could not free the group,
+# and gloo's threads would live until the interpreter exits, where they can abort a run that has
+# saved ("terminate called"). We import the module here, before any group exists, so each default
+# holds None.
 import torch.distributed.nn.functional  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -201,7 +203,8 @@ class World:
     world_size: int
     device: torch.device
     # Small CPU messages, such as the stop flag, go over this gloo group. On GPUs it is a group
-    # beside the NCCL group. On CPUs it is the process group itself. One process has no group.
+    # beside the NCCL group, because NCCL moves only GPU tensors, in the GPU's queue of work. On CPUs
+    # it is the process group itself. One process has no group.
     cpu_group: object = None
 
 
@@ -275,7 +278,8 @@ def cleanup_distributed(world):
         return
     # Trap: On torch before 2.8, destroy_process_group() can hang (pytorch#154976). It frees gloo's
     # backend while it holds the GIL, and the backend waits for its threads, which wait for the GIL.
-    # Our own reference keeps the backend alive through destroy_process_group(). Then `del` frees it
+    # So we hold our own reference to the backend through destroy_process_group(). torch's Python
+    # handle of a backend lets go of the GIL before it frees the backend, so our `del` frees it
     # without the GIL. A copy that needs torch 2.8 or later may drop the two lines of gloo_backend.
     gloo_backend = world.cpu_group._get_backend(torch.device("cpu"))
     world.cpu_group = None  # This drops the last reference, so the group goes with destroy.
@@ -308,7 +312,7 @@ FLAGS = [
     ("amp", "off", "autocast: off, bf16 or fp16 (with loss scaling)"),
     ("compile", False, "torch.compile the DDP model"),
     ("workers", 0, "DataLoader workers per process"),
-    ("find-unused-parameters", False, "let parameters sit out some steps (DDP's option; slower)"),
+    ("find-unused-parameters", False, "let parameters sit out some steps (DDP's option, slower)"),
     ("sync-bn", False, "SyncBatchNorm: BatchNorm statistics over the global batch"),
     ("timeout", 1800.0, "seconds to wait for a peer before failing"),
     ("spawn", 0, "start N local processes, as torchrun --standalone would"),
@@ -475,7 +479,7 @@ def train(args, world):
             # All ranks save first, so that the grace period after a stop signal goes to the save.
             if save_now:
                 save_checkpoint(args, world, state)
-            # The rerun of a stopped run writes these records. But no rerun follows the last step.
+            # A stopped run's rerun writes these records first. But the last step has no rerun.
             if not stop.should_stop or step == plan.total_steps:
                 evaluate_and_write_records(args, world, state, progress.records)
     return finish(args, world, state, stop)
@@ -564,7 +568,8 @@ def train_step(args, world, state, micro_batches, want_norm):
         rank_items += count
     if COUNT_UNIT != "samples":
         # DDP: Now we know the step's real count over all ranks. We rescale every gradient so that
-        # it is weighed by the real count, not by the guess.
+        # it is weighed by the real count, not by the guess. This holds for fp16's scaled gradients
+        # too, because the scaler later divides them by its scale.
         real_count = sum_over_ranks(world, rank_items)
         grads = [p.grad for p in state.raw_model.parameters() if p.grad is not None]
         if grads:
@@ -601,7 +606,9 @@ def finish(args, world, state, stop):
     finished run that has no model.pt also writes the file here, from the checkpoint."""
     stopped_early = stop.should_stop and state.progress.step < state.plan.total_steps
     if stopped_early:
-        log(f"stopped by a signal at step {state.progress.step}; saved: rerun to resume (exit 75)")
+        log(
+            f"stopped by a signal at step {state.progress.step}. It saved, so rerun to resume (exit 75)"
+        )
     else:
         # Trap: Save the raw module. DDP would add "module." to every key, and compile "_orig_mod.".
         if world.rank == 0:
@@ -635,8 +642,8 @@ def unpack_loss(output):
     if not (torch.is_tensor(loss) and loss.ndim == 0 and isinstance(metrics, dict)):
         shape = f", a loss of shape {list(loss.shape)}: its mean" if torch.is_tensor(loss) else ""
         fail(
-            "compute_loss must return (loss, count) or (loss, count, {name: mean}): loss the mean "
-            f"over count items, a 0-dim tensor; it returned {type(output).__name__}{shape}"
+            "compute_loss must return (loss, count) or (loss, count, {name: mean}), where loss is "
+            f"the mean over count items as a 0-dim tensor. It returned {type(output).__name__}{shape}"
         )
     taken = RESERVED_METRICS.intersection(metrics)
     if taken:
@@ -692,9 +699,7 @@ def all_reduce_losses(world, state):
         dist.all_reduce(packed)  # DDP: Add up every rank's sums.
     totals = local_sums.to_host(packed)
     samples = (step - local_sums.since_step) * state.plan.global_batch
-    advice = (
-        "the run diverged; nothing non-finite was saved. Lower --lr, or pass --clip-grad-norm 1.0"
-    )
+    advice = "the run diverged, and nothing non-finite was saved. Lower --lr, or pass --clip-grad-norm 1.0"
     if not math.isfinite(totals.sums["loss"]):
         fail(f"the training loss is {totals.sums['loss']} at step {step}: {advice}", code=1)
     if not torch.stack([p.isfinite().all() for p in state.raw_model.parameters()]).all():
@@ -752,8 +757,8 @@ def evaluate(args, world, model, eval_loader, autocast):
     for batch in eval_loader:
         with autocast:
             output = call_task(compute_loss, model, to_device(batch, world.device), args)
-            loss, n, metrics = unpack_loss(output)
-        local_sums.add(loss, n, metrics)
+            loss, count, metrics = unpack_loss(output)
+        local_sums.add(loss, count, metrics)
     # Trap: Do not call model.train(). A part that the task froze in eval mode must stay so.
     for module, training in modes:
         module.train(training)
@@ -954,8 +959,8 @@ def restore_checkpoint(args, world, checkpointed, path, checkpoint):
     if changed:
         log(
             f"flags unlike the checkpoint's run: {', '.join(changed)}. Its optimizers keep their "
-            "learning rate and weight decay, and it keeps its global batch; every other flag is "
-            "this command's (a new --epochs or --max-steps reshapes the schedule from here)"
+            "learning rate and weight decay, and it keeps its global batch. Every other flag is "
+            "this command's, and a new --epochs or --max-steps reshapes the schedule from here"
         )
     return progress
 
@@ -998,7 +1003,7 @@ def read_checkpoint(out_dir):
         return path, checkpoint
     check(
         not problems,
-        f"{'; '.join(problems)}: move it away to start over, or pass another --out-dir",
+        f"{'. '.join(problems)}. Move it away to start over, or pass another --out-dir",
     )
     return None, None
 
@@ -1294,9 +1299,11 @@ def spawn(processes, argv):
         rank_env = env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
         workers.append(subprocess.Popen(command, env=rank_env))
     codes = [worker.wait() for worker in workers]
-    # A worker that a signal N killed returns -N, which a shell writes as 128 + N.
-    failed = [code if code > 0 else 128 - code for code in codes if code]
-    return failed[0] if failed else 0
+    for code in codes:
+        if code != 0:
+            # A worker that a signal N killed returns -N, and a shell writes that as 128 + N.
+            return code if code > 0 else 128 - code
+    return 0
 
 
 def round_store(timeout):
@@ -1304,10 +1311,13 @@ def round_store(timeout):
     workers that are gone. A round is one start of the workers, and torchrun starts a new round at
     each restart and each change of nodes. Without torchrun's shared store, it returns None.
 
-    Trap: torchrun 2.5 and later keeps one store for all the rounds of a job. A new round would
-    find the old round's keys there and wait for workers that are gone (pytorch/pytorch#135712).
-    So rank 0 serves a new store for each round and writes its port into torchrun's store. The
-    other ranks try the port until it answers. An old round's port refuses, as its rank 0 exited."""
+    Trap: torchrun 2.5 and later keeps one store for all the rounds of a job. The keys that the
+    old round's process group wrote are still there, and a new round would read them and wait for
+    workers that are gone (pytorch/pytorch#135712). So each round makes a store of its own.
+    Rank 0 serves a new, empty store on a free port, and it writes the port into torchrun's store.
+    The other ranks read the port there, and the read waits until some round has written it. They
+    may read the old round's port before rank 0 writes the new one, but that port refuses them,
+    because the old rank 0 has exited. So they retry."""
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
