@@ -44,13 +44,12 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-# Trap: Keep this import, although nothing here uses it. It prevents an abort at exit.
-# The functions of this module have the default argument group=group.WORLD. Python computes a
-# default once, when it imports the module. DDP imports this module late, after init_process_group,
-# and then each default holds our process group. cleanup_distributed() could not free the group,
-# and gloo's threads would live until the interpreter exits, where they can abort a run that has
-# saved ("terminate called"). We import the module here, before any group exists, so each default
-# holds None.
+# Trap: Keep this import, although nothing here uses it. It prevents an abort at exit. The
+# functions of this module have the default argument group=group.WORLD, and Python computes a
+# default once, when it imports the module. DDP imports this module after init_process_group, and
+# then each default holds our process group. cleanup_distributed() could not free the group, and
+# gloo's threads would live until the interpreter exits, where they can abort a run that has saved
+# ("terminate called"). Imported here, before any group exists, each default holds None.
 import torch.distributed.nn.functional  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -203,8 +202,8 @@ class World:
     world_size: int
     device: torch.device
     # Small CPU messages, such as the stop flag, go over this gloo group. On GPUs it is a group
-    # beside the NCCL group, because NCCL moves only GPU tensors, in the GPU's queue of work. On CPUs
-    # it is the process group itself. One process has no group.
+    # beside the NCCL group, because NCCL moves only GPU tensors, in the GPU's queue of work. On
+    # CPUs it is the process group itself. One process has no group.
     cpu_group: object = None
 
 
@@ -607,7 +606,8 @@ def finish(args, world, state, stop):
     stopped_early = stop.should_stop and state.progress.step < state.plan.total_steps
     if stopped_early:
         log(
-            f"stopped by a signal at step {state.progress.step}. It saved, so rerun to resume (exit 75)"
+            f"stopped by a signal at step {state.progress.step}, and the checkpoint is saved. "
+            "Rerun the same command to resume (exit 75)"
         )
     else:
         # Trap: Save the raw module. DDP would add "module." to every key, and compile "_orig_mod.".
@@ -642,8 +642,8 @@ def unpack_loss(output):
     if not (torch.is_tensor(loss) and loss.ndim == 0 and isinstance(metrics, dict)):
         shape = f", a loss of shape {list(loss.shape)}: its mean" if torch.is_tensor(loss) else ""
         fail(
-            "compute_loss must return (loss, count) or (loss, count, {name: mean}), where loss is "
-            f"the mean over count items as a 0-dim tensor. It returned {type(output).__name__}{shape}"
+            "compute_loss must return (loss, count) or (loss, count, {name: mean}), where "
+            f"loss is a 0-dim mean over count items. It returned {type(output).__name__}{shape}"
         )
     taken = RESERVED_METRICS.intersection(metrics)
     if taken:
@@ -699,7 +699,9 @@ def all_reduce_losses(world, state):
         dist.all_reduce(packed)  # DDP: Add up every rank's sums.
     totals = local_sums.to_host(packed)
     samples = (step - local_sums.since_step) * state.plan.global_batch
-    advice = "the run diverged, and nothing non-finite was saved. Lower --lr, or pass --clip-grad-norm 1.0"
+    advice = (
+        "the run diverged. Nothing non-finite was saved. Lower --lr, or pass --clip-grad-norm 1.0"
+    )
     if not math.isfinite(totals.sums["loss"]):
         fail(f"the training loss is {totals.sums['loss']} at step {step}: {advice}", code=1)
     if not torch.stack([p.isfinite().all() for p in state.raw_model.parameters()]).all():

@@ -1111,8 +1111,9 @@ def test_make_help_lists_every_target_once():
 # flaky", the file had 7,115 code tokens and 1,244 lines. Comments written as plain sentences added
 # lines. The task functions' access to the plan and the flags added 85 tokens and 21 lines. The
 # paragraph that opens each section of the machinery added 35 lines. Plain explanations of the
-# places that cold readers could not understand added 10 lines. The longest function fits a screen.
-CEILING = {"tokens": 7200, "lines": 1433, "function lines": 60}
+# places that cold readers could not understand, and error lines without semicolons, added 12 lines.
+# The longest function fits a screen.
+CEILING = {"tokens": 7200, "lines": 1435, "function lines": 60}
 
 
 def test_the_script_stays_within_its_budget():
