@@ -1,4 +1,4 @@
-"""ddp_train.py: the minimal reference PyTorch DistributedDataParallel (DDP) training script.
+"""ddp_train.py: a reference PyTorch DistributedDataParallel (DDP) training script.
 
 This is one file, and it needs only torch (2.4 to 2.15). You launch it unchanged in any of
 these ways:
@@ -13,10 +13,11 @@ these ways:
 
 Read it from top to bottom. Section 1 is your task. Edit its flags and functions here, or assign
 your own from a script that imports this file, as examples/digits.py does. Section 2 joins the
-process group and leaves it. Section 3 is the training loop, and a first read can stop after it.
-Sections 4 to 10 hold the machinery, and each one opens with what it guarantees. Each line that DDP
-adds to a plain training loop is marked "DDP:". Each classic trap is marked "Trap:", and
-docs/guarantees.md names the test that guards each trap.
+process group and leaves it. Section 3 is the training loop. Sections 4 to 10 hold the machinery
+that the loop calls. Each of them opens with what it guarantees and the test that proves it. A first
+read can trust the loop's calls by their names and stop after section 3. Each line that DDP adds to
+a plain training loop is marked "DDP:". Each classic trap is marked "Trap:", and docs/guarantees.md
+names the test that guards each trap.
 """
 
 import argparse
@@ -288,7 +289,7 @@ def cleanup_distributed(world):
 
 # ====== 3. The loop: read this section first ======================================================
 # main(), train() and train_step() are the tutorials' loop, in torch's own names. The flags and the
-# state that the loop keeps come before them. A first read can stop at the end of this section.
+# state that the loop keeps come before them. A first read can end with this section.
 
 
 # These are the script's flags. Each entry gives the name, the default and the help text, and the
@@ -368,12 +369,12 @@ class Progress:
     # ranks added up before each backward would make every micro-batch wait for the GPU and for the
     # other ranks. None means that no step has made a guess yet.
     expected_count: object = None
-    # These are the records of the last step that wait to be written. A record lives in four steps.
-    # 1. The loop adds it after its step. An eval or epoch record has no eval metrics yet.
-    # 2. The step's checkpoint saves it, as a part of Progress.
-    # 3. evaluate_and_write_records() evaluates for it, and rank 0 writes it to metrics.jsonl.
-    # 4. A stop or a crash can come between 2 and 3. Then the resumed run does 3 before it trains.
-    #    unwritten_records() leaves out the records that metrics.jsonl already holds.
+    # These are the records of the last step, and they wait to be written. The loop adds them after
+    # the step, and the step's checkpoint saves them as a part of Progress. After the save, all
+    # ranks run the evaluation that an eval or epoch record needs, and rank 0 writes the records to
+    # metrics.jsonl. A stop or a crash can come after the save and before the write. Then the
+    # resumed run writes the records before it trains. unwritten_records() leaves out the records
+    # that metrics.jsonl already holds, so that each record is written once.
     records: list = dataclasses.field(default_factory=list)
 
     @classmethod
@@ -478,7 +479,7 @@ def train(args, world):
             # All ranks save first, so that the grace period after a stop signal goes to the save.
             if save_now:
                 save_checkpoint(args, world, state)
-            # A stopped run's rerun writes these records first. But the last step has no rerun.
+            # A stopped run writes these at its rerun. A stop at the last step has no rerun.
             if not stop.should_stop or step == plan.total_steps:
                 evaluate_and_write_records(args, world, state, progress.records)
     return finish(args, world, state, stop)

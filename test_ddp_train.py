@@ -1112,8 +1112,9 @@ def test_make_help_lists_every_target_once():
 # lines. The task functions' access to the plan and the flags added 85 tokens and 21 lines. The
 # paragraph that opens each section of the machinery added 35 lines. Plain explanations of the
 # places that cold readers could not understand, and error lines without semicolons, added 12 lines.
-# The longest function fits a screen.
-CEILING = {"tokens": 7200, "lines": 1435, "function lines": 60}
+# The docstring's paragraph on how a first read may stop after the loop added 1 line. The longest
+# function fits a screen.
+CEILING = {"tokens": 7200, "lines": 1436, "function lines": 60}
 
 
 def test_the_script_stays_within_its_budget():
