@@ -329,6 +329,7 @@ class Plan:
     grad_accum: int  # This counts the micro-batches of a step on each rank.
     steps_per_epoch: int  # Each step is a full global batch, so an epoch drops its partial end.
     total_steps: int
+    epochs: int  # This counts the epochs that the steps reach. --max-steps can end one in part.
 
 
 @dataclasses.dataclass
@@ -438,17 +439,15 @@ def train(args, world):
     log_header(args, world, state)
     stop = StopAgreement(world)
     speed = Throughput(progress.step, plan.total_steps)
-    while progress.step < plan.total_steps and not stop.should_stop:
-        epoch = progress.step // plan.steps_per_epoch
+    for epoch in range(progress.step // plan.steps_per_epoch, plan.epochs):
         epoch_end = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
         state.sampler.set_epoch(epoch)  # Trap: Without it, every epoch repeats the first shuffle.
         # A resumed epoch skips the steps that it has already trained.
         state.batch_sampler.skip_steps = progress.step - epoch * plan.steps_per_epoch
         epoch_started = time.perf_counter()
         micro_batches = iter(state.loader)  # Each train_step takes its micro-batches from here.
-        while progress.step < epoch_end and not stop.should_stop:
+        for step in range(progress.step + 1, epoch_end + 1):
             stop.send()  # All ranks send whether they got a stop signal.
-            step = progress.step + 1
             log_now = args.log_every > 0 and step % args.log_every == 0
             lr, grad_norm = train_step(args, world, state, micro_batches, want_norm=log_now)
             progress.step = step
@@ -479,10 +478,11 @@ def train(args, world):
             # All ranks save first, so that the grace period after a stop signal goes to the save.
             if save_now:
                 save_checkpoint(args, world, state)
-            # A stopped run writes these at its rerun. A stop at the last step has no rerun.
-            if not stop.should_stop or step == plan.total_steps:
-                evaluate_and_write_records(args, world, state, progress.records)
-    return finish(args, world, state, stop)
+            # A stop ends the run. Its rerun writes these records, but the last step has no rerun.
+            if stop.should_stop and step < plan.total_steps:
+                return finish(args, world, state, stop, stopped_early=True)
+            evaluate_and_write_records(args, world, state, progress.records)
+    return finish(args, world, state, stop, stopped_early=False)
 
 
 def setup_training(args, world):
@@ -600,11 +600,10 @@ def evaluate_and_write_records(args, world, state, records):
         write_record(args, world, record, state.raw_model, state.plan.total_steps)
 
 
-def finish(args, world, state, stop):
-    """Return the exit code. It is 75 where a stop signal ended the run early, after its checkpoint
-    was saved. Otherwise rank 0 saves the weights in model.pt, and the code is 0. A rerun of a
-    finished run that has no model.pt also writes the file here, from the checkpoint."""
-    stopped_early = stop.should_stop and state.progress.step < state.plan.total_steps
+def finish(args, world, state, stop, stopped_early):
+    """Return the exit code. It is 75 where a stop signal ended the run before its last step, after
+    its checkpoint was saved. Otherwise rank 0 saves the weights in model.pt, and the code is 0. A
+    rerun of a finished run that has no model.pt also writes the file here, from the checkpoint."""
     if stopped_early:
         log(
             f"stopped by a signal at step {state.progress.step}, and the checkpoint is saved. "
@@ -1184,7 +1183,8 @@ def make_plan(args, world, train_size, path, checkpoint):
         "lower --batch-size or --grad-accum",
     )
     total_steps = args.max_steps or args.epochs * steps_per_epoch
-    return Plan(global_batch, grad_accum, steps_per_epoch, total_steps)
+    epochs = math.ceil(total_steps / steps_per_epoch)
+    return Plan(global_batch, grad_accum, steps_per_epoch, total_steps, epochs)
 
 
 def check_same_start(world, step):
