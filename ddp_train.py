@@ -77,8 +77,8 @@ COUNT_UNIT = "samples"
 
 # These are your task's own flags, in addition to the script's flags. Each entry gives the name, the
 # default and the help text. The default sets the type, so write 0.0 for a float, not 0. A default
-# of True or False makes a switch: --name turns it on, and --no-name turns it off. Your code reads
-# the value as args.name.
+# of True or False makes a switch. Then --name turns it on, and --no-name turns it off. Your code
+# reads the value as args.name.
 TASK_FLAGS = [
     ("num-samples", 32768, "the default task's training samples"),
     ("eval-samples", 4096, "the default task's evaluation samples (0: none)"),
@@ -289,7 +289,7 @@ def cleanup_distributed(world):
 
 # ====== 3. The loop: read this section first ======================================================
 # main(), train() and train_step() are the tutorials' loop, in torch's own names. The flags and the
-# state that the loop keeps come before them. A first read can end with this section.
+# state that the loop keeps come before them.
 
 
 # These are the script's flags. Each entry gives the name, the default and the help text, and the
@@ -373,9 +373,9 @@ class Progress:
     # These are the records of the last step, and they wait to be written. The loop adds them after
     # the step, and the step's checkpoint saves them as a part of Progress. After the save, all
     # ranks run the evaluation that an eval or epoch record needs, and rank 0 writes the records to
-    # metrics.jsonl. A stop or a crash can come after the save and before the write. Then the
-    # resumed run writes the records before it trains. unwritten_records() leaves out the records
-    # that metrics.jsonl already holds, so that each record is written once.
+    # metrics.jsonl. A stop before the last step ends the run after the save, and so can a crash.
+    # Then the resumed run writes the records before it trains. unwritten_records() leaves out the
+    # records that metrics.jsonl already holds, so that each record is written once.
     records: list = dataclasses.field(default_factory=list)
 
     @classmethod
@@ -394,7 +394,7 @@ class TrainState:
     progress: Progress
     raw_model: nn.Module  # We save and evaluate the raw module, and report() gets it.
     ddp_model: nn.Module  # DDP's wrapper gives no_sync(). A single process has the raw module here.
-    forward_model: nn.Module  # compute_loss trains this: the DDP model, or its compiled one.
+    forward_model: nn.Module  # compute_loss calls this. It is the DDP model or its compiled form.
     checkpointed: dict  # A checkpoint saves and restores these stateful parts, by name.
     optimizers: list
     schedulers: list
