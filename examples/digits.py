@@ -1,18 +1,19 @@
 """digits.py: a user's own project on top of ddp_train.py, without editing ddp_train.py.
 
-It replaces the task functions with its own: a map-style Dataset of 8x8 digit images that
-augments every sample at random (with torch, Python's random and numpy), and a small CNN
-with BatchNorm and Dropout. Then it hands them to ddp_train and calls its main(), so it
-launches exactly like ddp_train.py itself:
+It replaces two task functions with its own. Its Dataset holds 8x8 images of digits, and it
+augments every sample at random with torch, Python's random and numpy. Its model is a small CNN
+with BatchNorm and Dropout. The file hands these functions to ddp_train and calls its main(). So
+it launches exactly like ddp_train.py itself:
 
-    python digits.py                          # ddp_train.py beside it (here: PYTHONPATH=..)
+    python digits.py                          # This needs ddp_train.py beside it, or PYTHONPATH=..
     python digits.py --spawn 2
     torchrun --nproc_per_node=2 digits.py --epochs 5
 
-Its runs keep ddp_train.py's guarantees: with --workers 0, where the augmentation draws from
-each rank's own checkpointed generators, a stopped run resumes bit for bit; with DataLoader
-workers it resumes with the same samples in the same order. 1437 samples: an epoch of full
-global batches leaves a few out, as the header says.
+Its runs keep ddp_train.py's guarantees. With --workers 0, the augmentation draws from each
+rank's own generators, which the checkpoint saves. So a stopped run resumes bit for bit. With
+DataLoader workers, a stopped run resumes with the same samples in the same order. The training
+set has 1437 samples, so an epoch of full global batches leaves a few out. The run's first line
+says how many.
 """
 
 import random
@@ -25,7 +26,7 @@ from torch.utils.data import Dataset, random_split
 
 import ddp_train
 
-# Digits 0-9 in a 5x7 bitmap font: the clean images every sample starts from.
+# These are the digits 0 to 9 in a 5x7 bitmap font. Every sample starts from one of them.
 GLYPHS = [
     "01110 10001 10011 10101 11001 10001 01110",
     "00100 01100 00100 00100 00100 00100 01110",
@@ -38,12 +39,13 @@ GLYPHS = [
     "01110 10001 10001 01110 10001 10001 01110",
     "01110 10001 10001 01111 00001 00010 01100",
 ]
-NUM_DIGITS, TRAIN_SIZE = 1797, 1437  # as many as scikit-learn's digits, and its usual 80% split
+# These are as many images as scikit-learn's digits have, and its usual split of 80% for training.
+NUM_DIGITS, TRAIN_SIZE = 1797, 1437
 
 
 def render(label: int, gen: torch.Generator) -> torch.Tensor:
-    """One 8x8 image of a digit: the glyph at a random place, with random stroke strength."""
-    glyph = torch.tensor([[float(c) for c in row] for row in GLYPHS[label].split()])  # 7 x 5
+    """This draws one 8x8 image of a digit. Its place and its strength are random."""
+    glyph = torch.tensor([[float(c) for c in row] for row in GLYPHS[label].split()])
     image = torch.zeros(8, 8)
     top, left = (
         torch.randint(0, 2, (1,), generator=gen).item(),
@@ -54,7 +56,7 @@ def render(label: int, gen: torch.Generator) -> torch.Tensor:
 
 
 class Digits(Dataset):
-    """Images and labels in memory; __getitem__ augments each image at random when training."""
+    """This holds the images and labels in memory. __getitem__ augments each image when training."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment: bool):
         self.images, self.labels, self.augment = images, labels, augment
@@ -64,10 +66,10 @@ class Digits(Dataset):
 
     def __getitem__(self, i):
         image = self.images[i]
-        if self.augment:  # with Python's random, numpy and torch
+        if self.augment:  # It draws from Python's random, from numpy and from torch.
             shift, scale = random.choice((-1, 0, 1)), float(np.random.uniform(0.8, 1.2))
             image = torch.roll(image, shifts=shift, dims=1) * scale
-            image = image + 0.2 * torch.randn(8, 8)  # torch
+            image = image + 0.2 * torch.randn(8, 8)
         return image.unsqueeze(0), self.labels[i]
 
 
@@ -75,8 +77,8 @@ def build_datasets(args):
     gen = torch.Generator().manual_seed(1234)
     labels = torch.randint(0, 10, (NUM_DIGITS,), generator=gen)
     images = torch.stack([render(int(label), gen) for label in labels])
-    # A split with no generator of its own, as most projects write it: ddp_train seeds first,
-    # so every rank (and every resumed run) gets the same one.
+    # Most projects write a split with no generator of its own, as here. ddp_train seeds the
+    # random numbers first, so every rank and every resumed run gets the same split.
     train_part, eval_part = random_split(range(NUM_DIGITS), [TRAIN_SIZE, NUM_DIGITS - TRAIN_SIZE])
     train_idx, eval_idx = list(train_part), list(eval_part)
     return (
@@ -99,8 +101,8 @@ def build_model(args):
     )
 
 
-# Hand the functions to ddp_train when this file is imported, not only when it runs as a script:
-# --spawn's workers import it afresh and need them too.
+# The file hands its functions to ddp_train when it is imported, and not only when it runs as a
+# script. The workers of --spawn import it afresh, and they need the functions too.
 ddp_train.build_datasets, ddp_train.build_model = build_datasets, build_model
 
 if __name__ == "__main__":
