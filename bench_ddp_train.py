@@ -1,30 +1,38 @@
-"""bench_ddp_train.py: does ddp_train.py's machinery cost speed? Measured side by side.
+"""bench_ddp_train.py measures, side by side, whether ddp_train.py's machinery costs speed.
 
-One invocation runs, interleaved in rounds so that the machine's drift cancels out:
+One invocation runs the configurations below. It interleaves them in rounds, so that the machine's
+drift cancels out.
 
   ddp_1       ddp_train.py, one process
-  hand_1      the loop a user writes by hand over the same model, data and optimizer: tensors in
-              memory, shuffled once an epoch and sliced into batches
+  hand_1      the loop that a user writes by hand over the same model, data and optimizer. The
+              tensors stay in memory, and the loop shuffles them once an epoch and slices them into
+              batches.
   ddp_2       ddp_train.py under torchrun, 2 processes x 1 thread
-  tutorial_2  the DDP tutorial's loop under torchrun 2 x 1: a DataLoader over a TensorDataset, a
-              DistributedSampler, and loss.item() every step (pytorch/examples)
-  lm_1, lm_2  examples/tinylm.py (padded functions of the standard library, a token mean) through
-              ddp_train.py, in one process and under torchrun 2 x 1
-  lm_hand_*   the loop a user writes by hand for the same Dataset, collate_fn, model and optimizer
+  tutorial_2  the DDP tutorial's loop from pytorch/examples, under torchrun 2 x 1. It uses a
+              DataLoader over a TensorDataset, a DistributedSampler, and loss.item() every step.
+  lm_1, lm_2  examples/tinylm.py through ddp_train.py, in one process and under torchrun 2 x 1.
+              tinylm trains on padded functions of the standard library, with a token mean.
+  lm_hand_*   the loop that a user writes by hand for the same Dataset, collate_fn, model and
+              optimizer
 
-It reports the training throughput of the epochs after the first (samples/s; tokens/s for tinylm),
-median and min-max over the rounds, then the ratios, each taken within a round.
+It reports the training throughput of the epochs after the first, in samples/s, or in tokens/s for
+tinylm. It gives the median and the min-max over the rounds. Then it reports the ratios, and it
+takes each ratio within a round.
 
-    python bench_ddp_train.py               # 6 rounds, about 8 minutes on 2 cores
-    python bench_ddp_train.py --quick       # 1 short round: checks that everything runs
-    python bench_ddp_train.py --size        # ddp_train.py's code tokens (Python 3.11's tokenizer)
-    python bench_ddp_train.py --against DIR/ddp_train.py   # also every configuration of the script
-        # with another version of it (git show REV:ddp_train.py > DIR/ddp_train.py), side by side
-    python bench_ddp_train.py --gpu-modes   # make test-gpu's table: a short run in every GPU mode
-    python bench_ddp_train.py --resume-memory [--against DIR/ddp_train.py]   # the host memory of 2
-        # ranks while they resume a checkpoint of about 600 MB, up to their first step, sampled every
-        # 10 ms: the peak of their PSS summed (a page that both map counts once) and of their
-        # anonymous memory summed
+    python bench_ddp_train.py               # 6 rounds take about 8 minutes on 2 cores.
+    python bench_ddp_train.py --quick       # 1 short round checks that everything runs.
+    python bench_ddp_train.py --size
+        # This counts ddp_train.py's code tokens with Python 3.11's tokenizer.
+    python bench_ddp_train.py --against DIR/ddp_train.py
+        # This also runs every configuration of the script with another version of it, side by
+        # side. Make that version with git show REV:ddp_train.py > DIR/ddp_train.py.
+    python bench_ddp_train.py --gpu-modes
+        # This prints make test-gpu's table, which has a short run in every GPU mode.
+    python bench_ddp_train.py --resume-memory [--against DIR/ddp_train.py]
+        # This measures the host memory of 2 ranks while they resume a checkpoint of about 600 MB,
+        # up to their first step. It samples every 10 ms. It reports the peak of their PSS summed,
+        # where a page that both ranks map counts once. It also reports the peak of their anonymous
+        # memory summed.
 """
 
 from __future__ import annotations
@@ -40,7 +48,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CONFIGS = {  # key: (processes, program)
+# Each key maps to a pair of the number of processes and the program.
+CONFIGS = {
     "ddp_1": (1, "ddp_train"),
     "hand_1": (1, "hand"),
     "ddp_2": (2, "ddp_train"),
@@ -52,8 +61,9 @@ CONFIGS = {  # key: (processes, program)
 }
 RATIOS = {("ddp_1", "hand_1"): 0.95, ("ddp_2", "tutorial_2"): 1.10, ("lm_1", "lm_hand_1"): 0.97}
 RATIOS[("lm_2", "lm_hand_2")] = 0.97
-# --against OLD.py: the same two runs with another version of the script; "not worse": about 1
-# (OLD.py must be named ddp_train.py, in a folder of its own: tinylm imports it by that name)
+# --against OLD.py adds the same two runs with another version of the script. A ratio of about 1
+# means "not worse". OLD.py must be named ddp_train.py and sit in a folder of its own, because
+# tinylm imports it by that name.
 AGAINST = {"against_1": (1, "against"), "against_2": (2, "against")}
 AGAINST |= {"against_lm_1": (1, "against_lm"), "against_lm_2": (2, "against_lm")}
 AGAINST_RATIOS = {("ddp_1", "against_1"): 1.0, ("ddp_2", "against_2"): 1.0}
@@ -67,7 +77,8 @@ sys.exit(ddp_train.main())
 
 
 # ---------------------------------------------------------------------------
-# The baselines: each writes an epoch record as ddp_train.py does (train_samples, train_tokens, epoch_s)
+# The baselines follow. Each one writes an epoch record as ddp_train.py does, with train_samples,
+# train_tokens and epoch_s.
 # ---------------------------------------------------------------------------
 
 
@@ -170,7 +181,8 @@ def tinylm_loop(opts):
             sampler.set_epoch(epoch)
         t0, tokens = time.perf_counter(), 0
         for batch in loader:
-            loss, count, _ = tinylm.compute_loss(model, batch)  # each rank's own token mean
+            # Each rank takes its own token mean.
+            loss, count, _ = tinylm.compute_loss(model, batch)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -190,7 +202,7 @@ BASELINES = {"hand": hand_written_loop, "tutorial": tutorial_ddp, "lm_hand": tin
 
 
 # ---------------------------------------------------------------------------
-# The runner
+# The runner follows. It runs each configuration and prints the results.
 # ---------------------------------------------------------------------------
 
 
@@ -216,12 +228,13 @@ def command(opts, nproc, program, out: Path) -> list[str]:
 
 
 def run_once(opts, key, workdir: Path) -> float:
-    """One configuration's run; its median throughput over the epochs after the first."""
+    """Run one configuration, and return its median throughput over the epochs after the first."""
     nproc, program = {**CONFIGS, **AGAINST}[key]
     out = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=workdir))
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
-    env.pop("OMP_NUM_THREADS", None)  # each configuration sets its threads as it would for a user
+    # Each configuration sets its threads as it would for a user.
+    env.pop("OMP_NUM_THREADS", None)
     proc = subprocess.run(
         command(opts, nproc, program, out), env=env, cwd=HERE, capture_output=True, text=True
     )
@@ -268,7 +281,7 @@ def benchmark(opts):
 
 
 # ---------------------------------------------------------------------------
-# make test-gpu's table: a short run in every GPU mode
+# make test-gpu prints this table, which has a short run in every GPU mode.
 # ---------------------------------------------------------------------------
 
 
@@ -343,8 +356,8 @@ def gpu_modes(opts) -> int:
 
 
 def resumed(cmd, out: Path, env, whole) -> int:
-    """The run stopped by SIGTERM after its first checkpoint, then rerun: 0 when it ends with bit for bit
-    the weights of the same run uninterrupted."""
+    """Stop the run with SIGTERM after its first checkpoint, then rerun it. Return 0 when it ends
+    with bit for bit the weights of the same run uninterrupted."""
     import torch
 
     proc = subprocess.Popen(
@@ -363,7 +376,7 @@ def resumed(cmd, out: Path, env, whole) -> int:
 
 
 # ---------------------------------------------------------------------------
-# The size of ddp_train.py
+# This part measures the size of ddp_train.py.
 # ---------------------------------------------------------------------------
 
 
@@ -371,7 +384,9 @@ WIDE = """import sys
 sys.path.insert(0, {here!r})
 import torch.nn as nn
 import ddp_train
-width = 4096  # 50M parameters: 200 MB of weights and 400 MB of AdamW's state, a checkpoint of 600 MB
+# This width gives 50M parameters. They take 200 MB of weights and 400 MB of AdamW's state, so the
+# checkpoint takes 600 MB.
+width = 4096
 ddp_train.build_model = lambda args: nn.Sequential(
     nn.Linear(ddp_train.FEATURES, width), *[nn.Linear(width, width) for _ in range(3)],
     nn.Linear(width, ddp_train.CLASSES),
@@ -381,7 +396,7 @@ sys.exit(ddp_train.main())
 
 
 def memory_of(pids) -> tuple[int, int]:
-    """The PSS and the anonymous memory of these processes, each summed, in bytes."""
+    """Return the PSS and the anonymous memory of these processes, each summed, in bytes."""
     pss = anon = 0
     for pid in pids:
         try:
@@ -395,7 +410,7 @@ def memory_of(pids) -> tuple[int, int]:
 
 
 def workers_of(pid) -> list[int]:
-    """The processes that torchrun (pid) started."""
+    """Return the processes that torchrun started. The argument pid is torchrun's."""
     children = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         with open(task / "children") as f:
@@ -404,10 +419,11 @@ def workers_of(pid) -> list[int]:
 
 
 def resume_memory(opts) -> int:
-    """Train one step of a wide model on torchrun 2 (a checkpoint of about 600 MB), then resume it
-    on torchrun 2, and sample the two ranks' memory until the header that precedes the first step:
-    with this script, and with --against's beside it. (From the first step on, the optimizer's
-    state is in memory anyway: on the CPU it is the restored tensors themselves.)"""
+    """Train one step of a wide model on torchrun 2, which writes a checkpoint of about 600 MB.
+    Then resume it on torchrun 2, and sample the two ranks' memory until the header that precedes
+    the first step. Do this with this script, and with the --against script beside it. From the
+    first step on, the optimizer's state is in memory anyway, and on the CPU it is the restored
+    tensors themselves."""
     scripts = {"this": HERE}
     if opts.against:
         scripts["against"] = Path(opts.against).parent
@@ -439,9 +455,10 @@ def resume_memory(opts) -> int:
 
 
 def code_tokens(path=HERE / "ddp_train.py") -> dict:
-    """The file's code tokens (Python's tokenize, without comments, strings, newlines, indentation and
-    f-string parts: what a reader reads as code, whatever the formatting), and the lesson's: those
-    above its helpers (the line "4. Helpers")."""
+    """Count the file's code tokens and the lesson's code tokens. Python's tokenize gives the
+    tokens, and the count leaves out comments, strings, newlines, indentation and f-string parts.
+    What remains is what a reader reads as code, whatever the formatting. The lesson's tokens are
+    those above its helpers, which start at the line "4. Helpers"."""
     import io
     import tokenize
 

@@ -1,17 +1,18 @@
-"""The copy check that `make check` runs, and the launch machinery that it shares with the tests.
+"""This module holds the copy check that `make check` runs. It also holds the launch machinery that
+the check shares with the tests.
 
 The check runs the guarantees of ddp_train.py on a user's own script, with their flags, in real
-processes on the CPU. It prints one line per guarantee with the figure it measured. A line says pass,
-FAIL with the likely cause, or n/a where the task differs by design. The command exits 0 when no
-guarantee fails, and 1 when one fails or the script is missing.
+processes on the CPU. It prints one line per guarantee with the figure that it measured. A line
+says pass, or FAIL with the likely cause, or n/a where the task differs by design. The command
+exits 0 when no guarantee fails, and 1 when one fails or the script is missing.
 
     python check_copy.py SCRIPT [--args="--batch-size 8"] [--checks=2,3] [--work=DIR]
 
-The launches write into DIR, which is out/check/NAME unless given, and each run replaces the last.
-Every launch runs in a session of its own with a hard timeout, and its process group is killed at the
-end. Inside the test suite, where DDP_TEST_SLOTS names the suite's CPU slots, the check runs its
-launches one at a time. The tests import Launch, run and the slots from here, and conftest.py holds
-their fixtures."""
+The launches write into DIR, which is out/check/NAME unless the command gives another folder.
+Each run replaces the last one. Every launch runs in a session of its own with a hard timeout, and
+its process group is killed at the end. Inside the test suite, where DDP_TEST_SLOTS names the
+suite's CPU slots, the check runs its launches one at a time. The tests import Launch, run and the
+slots from here, and conftest.py holds their fixtures."""
 
 from __future__ import annotations
 
@@ -40,27 +41,30 @@ import torch
 ROOT = Path(__file__).resolve().parent
 SCRIPT = str(ROOT / "ddp_train.py")
 PY = sys.executable
-TIMEOUT = 150  # seconds for any one launch: a hang fails fast instead of eating CI
+# This is the limit in seconds for any one launch. A hang then fails fast instead of using up the
+# time of the CI.
+TIMEOUT = 150
 # A whole make check runs its launches one at a time inside the suite, and each one waits for CPU
-# slots and has its own limit of TIMEOUT. So the limit of the whole only backs those up, and it is
-# long enough for a loaded machine.
+# slots and has its own limit of TIMEOUT. So the limit for the whole check only backs those limits
+# up, and it is long enough for a loaded machine.
 CHECK_TIMEOUT = 900
-# A launch that times out gets SIGABRT first, so that Python prints every thread's stack
-# (PYTHONFAULTHANDLER). No core file is written.
+# A launch that times out gets SIGABRT first, so that Python prints the stack of every thread,
+# because PYTHONFAULTHANDLER is set. This line makes sure that no core file is written.
 resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
 
 # ---------------------------------------------------------------------------
-# The CPU load: process slots that every test process of a session shares through lock files
+# The test processes of a session share the CPU load through process slots, which are lock files.
 # ---------------------------------------------------------------------------
 
-# The slots and the port counter live in a directory that the first pytest process of a session makes
-# and that its xdist workers and the make check runs it starts inherit through this variable.
+# The slots and the port counter live in a directory. The first pytest process of a session makes
+# this directory. Its xdist workers, and the make check runs that it starts, inherit the directory
+# through this variable.
 SLOTS_ENV = "DDP_TEST_SLOTS"
-INSIDE_A_SUITE = (
-    SLOTS_ENV in os.environ
-)  # True in an xdist worker and in a make check that a test runs
-ALL_SLOTS = 2 * (os.cpu_count() or 1)  # two busy processes per core at most
-PEER_TIMEOUT = 60  # every launch's --timeout: a lost peer ends in the script's own line
+# This is True in an xdist worker and in a make check that a test runs.
+INSIDE_A_SUITE = SLOTS_ENV in os.environ
+ALL_SLOTS = 2 * (os.cpu_count() or 1)  # Each core runs two busy processes at most.
+# Every launch gets this --timeout. A lost peer then ends the run with the script's own line.
+PEER_TIMEOUT = 60
 
 
 def share_slots():
@@ -71,12 +75,13 @@ def share_slots():
 
 
 class CpuSlots:
-    """A counting semaphore of process slots, made of lock files, which the pytest-xdist workers
-    and the make check runs that the tests start share. A launch takes one slot for each process
-    that it starts. A lock file is freed by the kernel when its holder dies, so a crashed test never
-    keeps a slot."""
+    """This class is a counting semaphore of process slots, and the slots are lock files. The
+    pytest-xdist workers share the slots with the make check runs that the tests start. A launch
+    takes one slot for each process that it starts. The kernel frees a lock file when its holder
+    dies, so a crashed test never keeps a slot."""
 
-    reserved = 0  # the slots that this process holds for a whole test (see reserve_slots)
+    # This is the number of slots that this process holds for a whole test, through reserve_slots.
+    reserved = 0
 
     def __init__(self, count: int):
         directory = Path(os.environ[SLOTS_ENV])
@@ -109,9 +114,10 @@ class CpuSlots:
 
 @contextlib.contextmanager
 def reserve_slots(count=ALL_SLOTS):
-    """Slots for the launches inside the block, taken at once: for a test whose launches run side by
-    side (two of them could otherwise each hold half and wait for the rest), and all of them for a
-    test whose processes time their peers (keep-alives, a restart that waits for a node)."""
+    """Take the slots for the launches inside the block, all at once. A test whose launches run side
+    by side needs this, because two of its launches could otherwise each hold half of the slots and
+    wait for the rest. A test whose processes time their peers takes all the slots. Keep-alives and
+    a restart that waits for a node are such tests."""
     slots = CpuSlots(count)
     CpuSlots.reserved = count
     try:
@@ -122,8 +128,9 @@ def reserve_slots(count=ALL_SLOTS):
 
 
 def free_port() -> int:
-    """A port that no other test of the session takes and that the kernel never hands out to anyone
-    (it lies below Linux's ephemeral range), so that it cannot be taken between now and its use."""
+    """Return a port that no other test of the session takes. The port lies below Linux's ephemeral
+    range, so the kernel never hands it out to anyone, and nobody can take it between now and its
+    use."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     with open(Path(os.environ[SLOTS_ENV]) / "ports", "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -143,8 +150,9 @@ def free_port() -> int:
 
 
 def clean_env(**extra) -> dict:
-    """This environment without any launcher's variables, plus `extra` (None: unset). One thread per
-    process: two tests run at a time, and OpenMP threads spinning for a taken core slow a run 10x."""
+    """Return this environment without any launcher's variables, plus `extra`. A value of None in
+    `extra` unsets that variable. Each process gets one thread, because two tests run at a time, and
+    OpenMP threads that spin for a taken core slow a run 10x."""
     launcher = (
         "RANK",
         "WORLD_SIZE",
@@ -159,7 +167,8 @@ def clean_env(**extra) -> dict:
         if not k.startswith(("SLURM_", "TORCHELASTIC_", "PET_")) and k not in launcher
     }
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    env.update(PYTHONFAULTHANDLER="1")  # a SIGABRT prints every thread's Python stack
+    # With this variable, a SIGABRT prints the Python stack of every thread.
+    env.update(PYTHONFAULTHANDLER="1")
     for k, v in extra.items():
         env.pop(k, None) if v is None else env.__setitem__(k, str(v))
     return env
@@ -175,8 +184,9 @@ def bindable(port: int) -> bool:
 
 
 def marked(mark: str) -> list[int]:
-    """The live processes whose DDP_TEST_LAUNCH holds mark: a launch and all it started. A launch
-    inside a launch (make check in a test) adds its own mark to the one it inherits."""
+    """Return the live processes whose DDP_TEST_LAUNCH holds the mark. They are a launch and all the
+    processes that it started. A launch inside a launch, such as make check in a test, adds its own
+    mark to the one that it inherits."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
@@ -191,7 +201,8 @@ def marked(mark: str) -> list[int]:
 
 
 def processes(cmd) -> int:
-    """The processes that a command of the script starts: N under torchrun or --spawn N, else 1."""
+    """Return how many processes a command of the script starts. The number is N under torchrun or
+    with --spawn N, and 1 otherwise."""
     cmd = [str(c) for c in cmd]
     for i, arg in enumerate(cmd):
         m = re.fullmatch(r"--nproc[-_]per[-_]node=(\d+)", arg)
@@ -203,11 +214,13 @@ def processes(cmd) -> int:
 
 
 class Result:
-    """What a run left: its exit code, output and out-dir (its records and final weights)."""
+    """A Result object holds what a run left behind. That is its exit code, its output and its
+    out-dir, which holds its records and its final weights."""
 
     def __init__(self, returncode, stdout, stderr, out_dir, seconds=None):
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-        self.out_dir, self.seconds = out_dir, seconds  # seconds: from its start to its exit
+        # The seconds count the time from the run's start to its exit.
+        self.out_dir, self.seconds = out_dir, seconds
 
     @property
     def metrics(self) -> list[dict]:
@@ -231,10 +244,11 @@ class LaunchFailed(AssertionError):
 
 
 class Launch:
-    """A command in a session of its own, its output in files. On leaving the `with`, everything it
-    started is killed; wait() fails the test if the command hangs, or leaves a process behind. It
-    holds a CPU slot for each process it starts (slots: that number, where the command does not
-    show it), from its start until it is killed."""
+    """A Launch runs a command in a session of its own and writes its output to files. When the
+    code leaves the `with` block, everything that the command started is killed. wait() fails the
+    test if the command hangs or leaves a process behind. A Launch holds a CPU slot for each process
+    that it starts, from its start until it is killed. The argument slots gives that number where
+    the command does not show it."""
 
     def __init__(self, cmd, log_dir: Path, name="run", env=None, cwd=None, slots=None):
         self.cmd, self.mark = [str(c) for c in cmd], uuid.uuid4().hex
@@ -264,7 +278,7 @@ class Launch:
         if code is None:
             self.fail_with_stacks(f"timed out after {timeout}s")
         self.seconds = time.monotonic() - self.started
-        # a DataLoader worker may take a moment to follow its trainer
+        # A DataLoader worker may take a moment to follow its trainer and exit.
         deadline = time.monotonic() + 10
         while marked(self.mark) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -288,8 +302,9 @@ class Launch:
             time.sleep(0.01)
 
     def fail_with_stacks(self, why: str):
-        """Fail the test with the stacks of every process of the launch, so that a hang says where
-        it waits: SIGABRT makes each Python process print all its threads (PYTHONFAULTHANDLER)."""
+        """Fail the test with the stacks of every process of the launch, so that a hang shows where
+        it waits. SIGABRT makes each Python process print all its threads, because
+        PYTHONFAULTHANDLER is set."""
         for pid in marked(self.mark):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGABRT)
@@ -319,12 +334,14 @@ class Launch:
 
 
 def run(cmd, tmp_path: Path, out="out", expect=0, env=None, cwd=None, timeout=TIMEOUT) -> Result:
-    """Launch `cmd` with --out-dir tmp_path/out, wait for it, check its exit code (None: any)."""
+    """Launch `cmd` with --out-dir tmp_path/out, wait for it, and check its exit code. An `expect`
+    of None accepts any exit code."""
     with Launch([*cmd, "--out-dir", tmp_path / out], tmp_path, out, env=env, cwd=cwd) as launch:
         launch.wait(timeout)
     result = launch.result(tmp_path / out)
     assert expect is None or result.returncode == expect, result
-    # the classic gloo abort at exit, of a process group torn down under a live DDP model
+    # This rejects the classic gloo abort at exit. That abort happens when a process group is torn
+    # down under a live DDP model.
     assert "terminate called" not in result.stderr, result
     return result
 
@@ -350,13 +367,13 @@ def torchrun_cmd(nproc, *args, script=SCRIPT, launcher=()):
 
 
 # ---------------------------------------------------------------------------
-# Check your copy (make check): the guarantees, on a user's own script, in real processes. The
-# wrapper runs as their script, with the check's pieces installed around its task functions; the
-# launches that several checks compare are made once, two at a time.
+# Check your copy with make check. It tests the guarantees on a user's own script, in real
+# processes. The wrapper runs as their script, with the check's pieces installed around its task
+# functions. The launches that several checks compare are made once, two at a time.
 # ---------------------------------------------------------------------------
 
 GUARANTEES = {
-    1: "every launch mode trains; only rank 0 writes",
+    1: "every launch mode trains, and only rank 0 writes",
     2: "N x B trains the weights of 1 x N*B",
     3: "the logged loss is the mean over the items",
     4: "every rank sees the same data",
@@ -365,8 +382,11 @@ GUARANTEES = {
     7: "model.pt loads into build_model()",
     8: "each rank reads its own share, in a new order each epoch",
 }
-TOLERANCE = 1e-5  # relative: float32 sums in another order
-CHECK_SETS = (  # the check's own flags: the user's ARGS do not move them (their --batch-size is B)
+# The tolerance is relative. It allows for float32 sums in another order.
+TOLERANCE = 1e-5
+# These are the check's own flags, and the user's ARGS do not change them. The user's --batch-size
+# gives B.
+CHECK_SETS = (
     "--batch-size", "--grad-accum", "--epochs", "--max-steps", "--out-dir", "--spawn",
     "--log-every", "--eval-only",
 )  # fmt: skip
@@ -374,15 +394,16 @@ CHECK_SETS = (  # the check's own flags: the user's ARGS do not move them (their
 
 @dataclasses.dataclass
 class Planned:
-    """A launch of the user's script (through the wrapper), 2 epochs of at most 4 global batches."""
+    """A Planned object is a launch of the user's script through the wrapper. It trains 2 epochs of
+    at most 4 global batches."""
 
-    mode: str  # python, torchrun (2 processes) or spawn (--spawn 2)
-    batch: int  # --batch-size, in B: every launch's global batch is 2B
+    mode: str  # The mode is python, torchrun with 2 processes, or spawn with --spawn 2.
+    batch: int  # This is --batch-size in units of B. Every launch's global batch is 2B.
     grad_accum: int
-    out_dir: str  # its own, or the one whose checkpoint it reads
-    env: dict  # what the wrapper installs (CHECK_*)
+    out_dir: str  # This is its own out-dir, or the one whose checkpoint it reads.
+    env: dict  # These CHECK_* variables tell the wrapper what to install.
     eval_only: bool = False
-    after: tuple = ()  # the launches whose files it reads, done before it starts
+    after: tuple = ()  # These launches finish before it starts, because it reads their files.
 
 
 # They start in this order, two at a time. CHECK_SGD=k trains with plain SGD at k times the check's
@@ -390,14 +411,16 @@ class Planned:
 # almost like a mean. grad_x2 is check 2's negative control.
 NEUTRAL_SGD = {"CHECK_SGD": 1, "CHECK_NEUTRAL": 1}
 LAUNCHES = {
-    # One process that trains nothing. It finds the one rate of the check's SGD, for every launch.
+    # This is one process that trains nothing. It finds the one rate of the check's SGD for every
+    # launch.
     "rate": Planned("python", 2, 1, "rate", dict(CHECK_RATE_PROBE=1)),
     "python": Planned("python", 2, 1, "python", dict(CHECK_DESCRIBE=1)),
     "torchrun": Planned("torchrun", 1, 1, "torchrun", dict(CHECK_DESCRIBE=1, CHECK_INITIAL=1)),
-    # SIGTERM in step 2, when every rank is in the loop (step 1's all-reduce waited for them)
+    # This launch gets SIGTERM in step 2. Then every rank is in the loop, because step 1's
+    # all-reduce waited for all of them.
     "stopped": Planned("torchrun", 1, 1, "stopped", dict(CHECK_STOP_AT=2)),
     "spawn": Planned("spawn", 1, 1, "spawn", {}),
-    # Check 2's launches: 1 x 2B, 2 x B and 1 x B x 2 accumulated, and the control at twice the
+    # Check 2's launches are 1 x 2B, 2 x B, 1 x B x 2 accumulated, and the control at twice the
     # rate. They run the user's loop and loss, with BatchNorm, dropout and the Dataset's draws
     # neutralised.
     "single": Planned(
@@ -407,18 +430,20 @@ LAUNCHES = {
     "accum": Planned("python", 1, 2, "accum", NEUTRAL_SGD, after=("rate",)),
     "grad_x2": Planned("python", 2, 1, "grad_x2", NEUTRAL_SGD | {"CHECK_SGD": 2}, after=("rate",)),
     "eval_1": Planned("python", 2, 1, "python", {}, eval_only=True, after=("python",)),
-    "resumed": Planned("torchrun", 1, 1, "stopped", {}, after=("stopped",)),  # the same command
+    # The resumed launch runs the same command as the stopped launch.
+    "resumed": Planned("torchrun", 1, 1, "stopped", {}, after=("stopped",)),
     "eval_2": Planned("torchrun", 1, 1, "python", {}, eval_only=True, after=("python",)),
-    # one process that computes the figures alone: from torchrun's first step, python's weights
+    # One process computes the figures alone. It uses torchrun's first step and python's weights.
     "probe": Planned("python", 2, 1, "python", {}, after=("python", "torchrun", "rate")),
 }
-NEEDS = {  # the launches each check reads
+# Each check reads these launches.
+NEEDS = {
     1: ("python", "torchrun", "spawn"),
     2: ("single", "pair", "accum", "grad_x2", "probe"),
     3: ("python", "torchrun", "probe"),
     4: ("python", "torchrun"),
-    5: ("python", "torchrun", "stopped", "resumed"),  # (python: to tell if the data differ)
-    6: ("python", "torchrun", "eval_1", "eval_2"),  # (torchrun: to tell if the data differ)
+    5: ("python", "torchrun", "stopped", "resumed"),  # python tells whether the data differ.
+    6: ("python", "torchrun", "eval_1", "eval_2"),  # torchrun tells whether the data differ.
     7: ("probe",),
     8: ("torchrun",),
 }
@@ -427,7 +452,9 @@ NEEDS = {  # the launches each check reads
 @dataclasses.dataclass
 class Verdict:
     number: int
-    status: str  # pass, FAIL, or n/a (the model differs by design, or the check cannot tell)
+    # The status is pass, FAIL, or n/a. It is n/a when the model differs by design, or when the
+    # check cannot tell.
+    status: str
     figure: str
     cause: str = ""
 
@@ -437,13 +464,14 @@ class Verdict:
 
 
 def user_flags(args: list[str]) -> tuple[list[str], int]:
-    """The user's ARGS without the flags the check sets, and their --batch-size (4 where none)."""
+    """Return the user's ARGS without the flags that the check sets, and their --batch-size. The
+    batch size is 4 where ARGS gives none."""
     kept, batch, i = [], 4, 0
     while i < len(args):
         name, has_value, value = args[i].partition("=")
         if name not in CHECK_SETS:
             kept.append(args[i])
-        elif name != "--eval-only" and not has_value:  # (its value is the next argument)
+        elif name != "--eval-only" and not has_value:  # Its value is the next argument.
             i += 1
             value = args[i] if i < len(args) else ""
         if name == "--batch-size":
@@ -453,17 +481,21 @@ def user_flags(args: list[str]) -> tuple[list[str], int]:
 
 
 class CopyCheck:
-    """A user's script under check: its launches, and what each left in its records directory
-    (run.out and run.err; the wrapper's reads.RANK, data.RANK, writes.RANK, records.jsonl...)."""
+    """A CopyCheck object is a user's script under check. It holds the launches and what each launch
+    left in its records directory. These are run.out and run.err, and the wrapper's files such as
+    reads.RANK, data.RANK, writes.RANK and records.jsonl."""
 
     def __init__(self, script, args: list[str], work: Path):
         self.script, self.work = Path(script).resolve(), work
         self.flags, self.b = user_flags(args)
-        workers = re.findall(r"--workers[= ](\d+)", " ".join(args))  # (the last one counts)
+        workers = re.findall(r"--workers[= ](\d+)", " ".join(args))  # The last one counts.
         self.workers = int(workers[-1]) if workers else 0
-        self.g = 2 * self.b  # every launch's global batch: 2 x B, 1 x 2B, 1 x B x 2
-        self.train_items, self.eval_items = 4 * self.g, self.g + 1  # (an uneven eval share)
-        self.wrapper = work / "wrapper" / self.script.name  # the script's name, in its lines
+        # Every launch has this global batch, as 2 x B, 1 x 2B or 1 x B x 2.
+        self.g = 2 * self.b
+        # The one extra eval item makes the eval shares uneven.
+        self.train_items, self.eval_items = 4 * self.g, self.g + 1
+        # The wrapper takes the script's name, so that name appears in its lines.
+        self.wrapper = work / "wrapper" / self.script.name
         self.wrapper.parent.mkdir(parents=True, exist_ok=True)
         self.wrapper.write_text(CHECK_WRAPPER)
         self.results, self.seconds, self.failed = {}, {}, {}
@@ -504,9 +536,10 @@ class CopyCheck:
         return running.result(self.work / planned.out_dir)
 
     def run_launches(self, names: set):
-        """The launches named, each after those it reads: two at a time, or one at a time inside
-        the test suite, which runs two tests at a time. One that times out, leaves a process behind
-        or cannot start (a launch it reads failed) is in self.failed."""
+        """Run the named launches, each one after the launches whose files it reads. They run two
+        at a time, or one at a time inside the test suite, which runs two tests at a time. A launch
+        that times out, leaves a process behind or cannot start goes into self.failed. A launch
+        cannot start when a launch that it reads has failed."""
         order = [name for name in LAUNCHES if name in names]
         done = {name: threading.Event() for name in order}
 
@@ -525,7 +558,8 @@ class CopyCheck:
                 done[name].set()
 
         threads, at_a_time = [], 1 if INSIDE_A_SUITE else 2
-        for name in order:  # (those it reads are in `order` before it: started already)
+        # The launches that it reads come before it in `order`, so they have started already.
+        for name in order:
             while sum(t.is_alive() for t in threads) >= at_a_time:
                 time.sleep(0.05)
             threads.append(threading.Thread(target=one, args=(name,)))
@@ -534,7 +568,7 @@ class CopyCheck:
             t.join()
 
     def launch_problem(self, names) -> str:
-        """Why one of these launches did not run to its end, or ''."""
+        """Return why one of these launches did not run to its end, or '' when all of them did."""
         for name in names:
             if name in self.failed:
                 return f"the {name} launch: {self.failed[name]}"
@@ -543,19 +577,21 @@ class CopyCheck:
                 return f"the {name} launch exited {result.returncode}: {script_said(result)}"
         return ""
 
-    # ---- what the launches left ----
+    # ---- These methods read what the launches left. ----
 
     def lines(self, name, file) -> list[str]:
         path = self.records(name) / file
         return path.read_text().splitlines() if path.exists() else []
 
     def batches(self, name, rank, tag="train") -> list[list[int]]:
-        """The batches (their indices) that a rank of a launch trained, or evaluated, in order."""
+        """Return the batches that a rank of a launch trained or evaluated, in order. Each batch is
+        a list of indices."""
         taken = [line.split() for line in self.lines(name, f"reads.{rank}")]
         return [[int(i) for i in batch[1:]] for batch in taken if batch[0] == tag]
 
     def data(self, name, rank) -> dict:
-        """What build_datasets gave a rank: each set's length, and hashes of 8 of its items."""
+        """Return what build_datasets gave a rank. That is each set's length and the hashes of 8 of
+        its items."""
         return json.loads(self.lines(name, f"data.{rank}")[0])
 
     def probe_inputs(self) -> dict:
@@ -565,14 +601,16 @@ class CopyCheck:
                 "as DataLoader(...), the name the script imports"
             )
         return {
-            "initial": str(self.records("torchrun") / "initial.pt"),  # rank 0's, which DDP sends
+            # The initial weights are rank 0's, because DDP sends those.
+            "initial": str(self.records("torchrun") / "initial.pt"),
             "first_step": [self.batches("torchrun", rank)[0] for rank in range(2)],
             "final": str(self.work / "python/model.pt"),
             "calibrated": str(self.records("rate") / "calibrated.pt"),
         }
 
     def eval_set_size(self):
-        """The eval set's length, as build_datasets gave it (python's launch); None: unknown."""
+        """Return the eval set's length as build_datasets gave it in python's launch. Return None
+        when the length is unknown."""
         if not self.lines("python", "data.0"):
             return None
         described = self.data("python", 0)["eval"]
@@ -583,7 +621,8 @@ class CopyCheck:
 
 
 def script_said(result) -> str:
-    """The line the script stopped with (`NAME: error: ...`), or the last line of its stderr."""
+    """Return the line that the script stopped with, such as `NAME: error: ...`. Otherwise return
+    the last line of its stderr."""
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     said = [line for line in lines if ": error: " in line]
     return one_line((said or lines or ["nothing on stderr"])[-1])
@@ -594,7 +633,7 @@ def one_line(text) -> str:
 
 
 def weights_gap(a: dict, b: dict) -> float:
-    """The largest relative difference of a tensor, as assert_same_weights measures it."""
+    """Return the largest relative difference of any tensor, as assert_same_weights measures it."""
     gaps = [0.0]
     for k in b:
         x, y = a[k].double(), b[k].double()
@@ -606,12 +645,14 @@ def relative(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b else abs(a - b)
 
 
-# ---- the eight checks: each reads the launches it NEEDS (which ran to their end) ----
+# ---- The eight checks. Each reads the launches that it NEEDS, which ran to their end. ----
 
 
 def check_launch_modes(c: CopyCheck) -> Verdict:
     seconds = ", ".join(f"{name} {c.seconds[name]:.1f} s" for name in NEEDS[1])
-    written = []  # by rank 1; not torch's caches, nor its probes of the temporary directory
+    # This lists the files that rank 1 wrote. It leaves out torch's caches and torch's probes of the
+    # temporary directory.
+    written = []
     caches = (tempfile.gettempdir(), os.path.expanduser("~/.cache"))
     for name in ("torchrun", "spawn"):
         for line in c.lines(name, "writes.1"):
@@ -630,7 +671,7 @@ def check_launch_modes(c: CopyCheck) -> Verdict:
 
 
 def neutralised(n: dict, train: dict) -> str:
-    """What check 2's launches neutralised, for its line."""
+    """Return what check 2's launches neutralised, for the check's line."""
     parts = [f"{kind} x {count} at fixed statistics" for kind, count in n["batch_norms"].items()]
     if n["dropouts"]:
         parts.append(f"Dropout x {n['dropouts']} off")
@@ -641,7 +682,7 @@ def neutralised(n: dict, train: dict) -> str:
 
 
 def differs_by_design(n: dict, train: dict) -> str:
-    """Why N x B and 1 x N*B still differ by design in check 2's launches, or ''."""
+    """Return why N x B and 1 x N*B still differ by design in check 2's launches, or ''."""
     why = []
     if n["stateful"]:
         why.append(f"in training, your model's {n['stateful'][0]} keeps state that training moves")
@@ -658,15 +699,16 @@ def differs_by_design(n: dict, train: dict) -> str:
 
 
 def loss_mixes_items(p: dict) -> bool:
-    """In evaluation, a batch's loss is not the count-weighted mean of its items' (a sum, or a
-    mean of means)."""
+    """Return whether, in evaluation, a batch's loss differs from the count-weighted mean of its
+    items' losses. A sum or a mean of means makes it differ."""
     return relative(p["batch_over_items"], 1.0) > TOLERANCE
 
 
 def check_equivalence(c: CopyCheck) -> Verdict:
     one_process = c.results["single"].weights
     gap = {name: weights_gap(c.results[name].weights, one_process) for name in ("pair", "accum")}
-    control = weights_gap(c.results["grad_x2"].weights, one_process)  # (the same, at 2 x the rate)
+    # The control trains the same way at 2 x the rate.
+    control = weights_gap(c.results["grad_x2"].weights, one_process)
     p, train = c.probe(), c.data("single", 0)["train"]
     neutral = neutralised(p["neutral"], train)
     figure = (
@@ -677,7 +719,8 @@ def check_equivalence(c: CopyCheck) -> Verdict:
         + (f"; {neutral})" if neutral else ")")
     )
     design = differs_by_design(p["neutral"], train)
-    if design and not loss_mixes_items(p):  # (a loss that mixes items does so by no design)
+    # A loss that mixes items does not do so by design.
+    if design and not loss_mixes_items(p):
         return Verdict(2, "n/a", f"{figure}: {design}")
     if control < 100 * TOLERANCE:
         return Verdict(2, "n/a", f"{figure}: the weights move too little to tell")
@@ -759,20 +802,21 @@ def check_mean(c: CopyCheck) -> Verdict:
 
 
 def check_same_data(c: CopyCheck) -> Verdict:
-    # ranks 0 and 1 of one launch, and rank 0 of another: a generator nobody seeds differs there
+    # The check compares ranks 0 and 1 of one launch with rank 0 of another launch. A generator that
+    # nobody seeds gives different data there.
     rank_0, rank_1, other = c.data("torchrun", 0), c.data("torchrun", 1), c.data("python", 0)
     verdicts = [
         same_set(part, rank_0[part], rank_1[part], other[part]) for part in ("train", "eval")
     ]
     verdicts = [v for v in verdicts if v]
-    for status in ("FAIL", "n/a"):  # the worst of the two sets'
+    for status in ("FAIL", "n/a"):  # The worst verdict of the two sets wins.
         if any(v.status == status for v in verdicts):
             return next(v for v in verdicts if v.status == status)
     return Verdict(4, "pass", "; ".join(v.figure for v in verdicts))
 
 
 def same_set(part, rank_0, rank_1, other):
-    """Check 4 for one of the sets (None where build_datasets gives none)."""
+    """Run check 4 for one of the sets. Return None where build_datasets gives no such set."""
     if not rank_0 or not rank_0["len"]:
         return None
     size = rank_0["len"]
@@ -892,7 +936,7 @@ def check_model_file(c: CopyCheck) -> Verdict:
 
 def check_shares(c: CopyCheck) -> Verdict:
     steps = min(c.data("torchrun", 0)["train"]["len"], c.train_items) // c.g
-    share = steps * c.b  # a rank's items in an epoch
+    share = steps * c.b  # This is the number of a rank's items in an epoch.
     trained = [[i for b in c.batches("torchrun", rank) for i in b] for rank in range(2)]
     epochs = [[items[e * share : (e + 1) * share] for items in trained] for e in range(2)]
     figures, causes = [], []
@@ -924,8 +968,8 @@ CHECKS = {
 
 
 def check_copy(script, args: list[str], work: Path, only=()) -> list[Verdict]:
-    """The guarantees `only` names (all where empty) on a user's script with their ARGS, one line
-    each; the launches in `work`."""
+    """Check the guarantees that `only` names on a user's script with their ARGS, and print one line
+    for each. An empty `only` checks all of them. The launches go into `work`."""
     numbers = sorted(only or GUARANTEES)
     c = CopyCheck(script, args, work)
     started = time.monotonic()
@@ -935,20 +979,22 @@ def check_copy(script, args: list[str], work: Path, only=()) -> list[Verdict]:
         f"epochs; the runs: {work}"
     )
     names = {name for n in numbers for name in NEEDS[n]}
-    while any(set(LAUNCHES[name].after) - names for name in names):  # (what they read, in turn)
+    # Add the launches that they read, and in turn the launches that those read.
+    while any(set(LAUNCHES[name].after) - names for name in names):
         names |= {before for name in names for before in LAUNCHES[name].after}
     c.run_launches(names)
     verdicts = []
     for n in numbers:
         problem = c.launch_problem(NEEDS[n])
         try:
-            if n == 6 and c.eval_set_size() == 0:  # (--eval-only refuses to run, as it should)
+            # Here --eval-only refuses to run, as it should.
+            if n == 6 and c.eval_set_size() == 0:
                 verdict = Verdict(6, "n/a", "build_datasets gives no eval set")
             elif problem:
                 verdict = Verdict(n, "FAIL", problem, "its line names it")
             else:
                 verdict = CHECKS[n](c)
-        except Exception as exc:  # (a launch left something else than the check expects)
+        except Exception as exc:  # A launch left something other than what the check expects.
             figure = f"the check could not read its launches: {one_line(repr(exc))}"
             verdict = Verdict(n, "FAIL", figure, "a loop the wrapper cannot follow: see run.err")
         print(verdict)
@@ -965,8 +1011,9 @@ def check_copy(script, args: list[str], work: Path, only=()) -> list[Verdict]:
 
 
 CHECK_WRAPPER = r'''
-"""make check's hidden wrapper: it runs as the user's script (its name, flags and task functions),
-with what the CHECK_* variables ask for installed around them. Its own files go to CHECK_RECORDS."""
+"""This is make check's hidden wrapper. It runs as the user's script, with its name, flags and task
+functions. What the CHECK_* variables ask for is installed around the task functions. The wrapper's
+own files go to CHECK_RECORDS."""
 
 import collections
 import hashlib
@@ -988,7 +1035,8 @@ RECORDS = env["CHECK_RECORDS"]
 # Check 2's launches run the user's loop and loss with BatchNorm at fixed statistics, dropout off
 # and the Dataset's draws seeded per item, so that N x B and 1 x N*B must train the same weights.
 NEUTRAL = "CHECK_NEUTRAL" in env
-own_write = False  # True while the wrapper writes its records: the audit leaves them out
+# This is True while the wrapper writes its records, so that the audit leaves them out.
+own_write = False
 
 
 def record(name, line):
@@ -1002,7 +1050,7 @@ def record(name, line):
 
 
 def audit(event, args):
-    """A non-zero rank's writes, anywhere (rank 0 alone writes)."""
+    """Record the writes of a non-zero rank, anywhere, because rank 0 alone writes."""
     if own_write:
         return
     if event == "open":
@@ -1014,9 +1062,9 @@ def audit(event, args):
         )
         if not writing or not isinstance(path, (str, bytes, os.PathLike)):
             return
-    elif event in ("os.rename", "os.remove", "os.truncate"):  # (a directory made is no file)
-        # shutil.rmtree removes a directory's files by their names, relative to its descriptor
-        path, dir_fd = args[0], -1  # (-1: the path alone)
+    elif event in ("os.rename", "os.remove", "os.truncate"):  # A new directory is not a file.
+        # shutil.rmtree removes a directory's files by their names, relative to its descriptor.
+        path, dir_fd = args[0], -1  # A dir_fd of -1 means the path alone.
         if event == "os.remove":
             dir_fd = args[1]
         elif event == "os.rename":
@@ -1031,10 +1079,12 @@ def audit(event, args):
 
 
 def load_user_script(path):
-    """The user's script as a module (what `python SCRIPT` defines), and the module that trains:
-    the script itself where it is a copy of ddp_train.py (its own train() and task functions),
-    else the ddp_train it imports (and sets the task functions of)."""
-    sys.path[0] = os.path.dirname(os.path.abspath(path))  # its imports resolve as its own would
+    """Return the user's script as a module, which is what `python SCRIPT` defines, and the module
+    that trains. The module that trains is the script itself where it is a copy of ddp_train.py
+    with its own train() and task functions. Otherwise it is the ddp_train that the script imports
+    and sets the task functions of."""
+    # The script's imports then resolve as they would in its own run.
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
     name = os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)
     user = importlib.util.module_from_spec(spec)
@@ -1048,7 +1098,8 @@ def load_user_script(path):
 
 
 def item_digest(item):
-    """A hash of an item's values: tensors, arrays, numbers, strings, and any nesting of them."""
+    """Return a hash of an item's values. The values may be tensors, arrays, numbers, strings, and
+    any nesting of them."""
     h = hashlib.sha256()
 
     def feed(x):
@@ -1073,10 +1124,11 @@ def item_digest(item):
 
 
 def describe(dataset):
-    """Its length, and hashes of 8 of its items spread over it, each read from a random state of
-    its index (an augmenting Dataset's too), and again from another (where the two differ, the
-    Dataset draws random numbers as it reads). A third read from the first state tells whether
-    the draws come from generators of the Dataset's own, which no seed outside reaches."""
+    """Return the Dataset's length and the hashes of 8 of its items, spread over it. Each item is
+    read from a random state of its index, and this also holds for an augmenting Dataset. Then the
+    item is read again from another state. Where the two reads differ, the Dataset draws random
+    numbers as it reads. A third read from the first state tells whether the draws come from
+    generators of the Dataset's own, which no seed outside reaches."""
     if dataset is None or not hasattr(dataset, "__len__"):
         return None
     n = len(dataset)
@@ -1097,11 +1149,13 @@ def describe(dataset):
 
 
 class Recorded(torch.utils.data.Dataset):
-    """The first `size` items of a Dataset (tag: train or eval), for RecordedLoader."""
+    """A Recorded set holds the first `size` items of a Dataset for RecordedLoader. The tag is train
+    or eval."""
 
     def __init__(self, dataset, tag, size):
         self.dataset, self.tag, self.size = dataset, tag, min(size, len(dataset))
-        self.kept = None  # The probe keeps each item that it reads here (see read_items).
+        # The probe keeps each item that it reads here, and read_items explains why.
+        self.kept = None
 
     def __len__(self):
         return self.size
@@ -1116,20 +1170,23 @@ class Recorded(torch.utils.data.Dataset):
             return self.dataset.__getitems__(indices)
         return [self.dataset[i] for i in indices]
 
-    def __getattr__(self, name):  # the Dataset's own attributes, for code that reads them
+    def __getattr__(self, name):  # Code that reads the Dataset's own attributes gets them here.
         if name == "dataset":
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
 
 class TakenBatches:
-    """A batch sampler's batches, in a queue as the DataLoader takes them (ahead of the loop)."""
+    """This puts a batch sampler's batches in a queue as the DataLoader takes them. The DataLoader
+    takes them ahead of the loop."""
 
     def __init__(self, batches):
         self.batches, self.taken = batches, collections.deque()
 
     def __iter__(self):
-        self.taken = collections.deque()  # a new pass (a pass left early loaded some ahead)
+        # A new pass starts with an empty queue, because a pass that was left early loaded some
+        # batches ahead.
+        self.taken = collections.deque()
         for indices in self.batches:
             self.taken.append(indices)
             yield indices
@@ -1139,14 +1196,17 @@ class TakenBatches:
 
 
 class RecordedLoader(DataLoader):
-    """The script's DataLoader: of a Recorded set, each batch's indices are recorded as the loop
-    gets the batch: those it trained or evaluated, in order (DataLoader workers or not)."""
+    """This is the script's DataLoader. For a Recorded set, it records each batch's indices when
+    the loop gets the batch. So the records hold the batches that the loop trained or evaluated, in
+    order, with DataLoader workers or without them."""
 
     def __init__(self, *args, **kwargs):
         bound = inspect.signature(DataLoader).bind(*args, **kwargs).arguments
         dataset = bound["dataset"]
         self.tag = dataset.tag if isinstance(dataset, Recorded) else None
-        if self.tag:  # its batch sampler, or the one DataLoader would make, in a TakenBatches
+        # With a tag, its batch sampler, or the one that DataLoader would make, goes into a
+        # TakenBatches.
+        if self.tag:
             batches = bound.pop("batch_sampler", None)
             if batches is None:
                 sampler = bound.pop("sampler", None)
@@ -1161,7 +1221,8 @@ class RecordedLoader(DataLoader):
         super().__init__(**bound)
 
     def __iter__(self):
-        iterator = super().__iter__()  # (now: iter() starts the workers, as the script expects)
+        # This calls it now, because iter() starts the workers, as the script expects.
+        iterator = super().__iter__()
         return self.recorded(iterator) if self.tag else iterator
 
     def recorded(self, iterator):
@@ -1172,7 +1233,8 @@ class RecordedLoader(DataLoader):
 
 
 def stop_torchrun():
-    """SIGTERM to torchrun, as a scheduler stops a job; back once torchrun has passed it on here."""
+    """Send SIGTERM to torchrun, as a scheduler does when it stops a job. Return once torchrun has
+    passed the signal on to this process."""
     script_handler, got = signal.getsignal(signal.SIGTERM), []
 
     def note(signum, frame):
@@ -1186,16 +1248,17 @@ def stop_torchrun():
     while not got and time.monotonic() < deadline:
         time.sleep(0.01)
     signal.signal(signal.SIGTERM, script_handler)
-    if not callable(script_handler):  # (the script's loop handles no signal: its default action)
+    # The script's loop handles no signal, so the signal takes its default action.
+    if not callable(script_handler):
         os.kill(os.getpid(), signal.SIGTERM)
 
 
 def install(target):
-    """The check's pieces around the task functions that the run calls."""
+    """Install the check's pieces around the task functions that the run calls."""
     names = ("build_datasets", "build_model", "compute_loss", "report")
-    task = {name: getattr(target, name) for name in names}  # the user's
+    task = {name: getattr(target, name) for name in names}  # These are the user's functions.
     training_calls = [0]
-    built = {}  # the user's Datasets, as build_datasets gave them
+    built = {}  # This keeps the user's Datasets as build_datasets gave them.
 
     def build_datasets(args):
         train_set, eval_set = task["build_datasets"](args)
@@ -1210,14 +1273,16 @@ def install(target):
         model = task["build_model"](args)
         if NEUTRAL and batch_norms(model):
             freeze_batch_norms(model, torch.load(env["CHECK_CALIBRATED"], weights_only=True))
-        if "CHECK_INITIAL" in env and RANK == "0":  # (rank 0's: the weights DDP sends to all)
+        # Rank 0 saves its weights, because DDP sends rank 0's weights to all ranks.
+        if "CHECK_INITIAL" in env and RANK == "0":
             torch.save(model.state_dict(), os.path.join(RECORDS, "initial.pt"))
         return model
 
     def compute_loss(model, batch, args=None):
         if model.training:
             training_calls[0] += 1
-            # the sets, once this rank trains (past the script's seeds per rank, its first reads)
+            # Describe the sets once this rank trains. By then the script has seeded each rank and
+            # made its first reads.
             if training_calls[0] == 1 and "CHECK_DESCRIBE" in env:
                 sets = {part: describe(dataset) for part, dataset in built.items()}
                 record(f"data.{RANK}", json.dumps(sets))
@@ -1235,7 +1300,8 @@ def install(target):
     target.DataLoader = RecordedLoader
     if NEUTRAL:
         switch_off_dropout()
-    if "CHECK_SGD" in env:  # plain SGD at the check's rate (x CHECK_SGD): a gradient's scale shows
+    # Plain SGD at the check's rate times CHECK_SGD lets the scale of a gradient show.
+    if "CHECK_SGD" in env:
         rate = float(env["CHECK_RATE"]) * float(env["CHECK_SGD"])
 
         def build_optimizer(args, model):
@@ -1256,7 +1322,7 @@ def call_task(function, *arguments):
 
 
 def to_float64(batch):
-    """A batch with its floating tensors in float64 (the check's independent figures)."""
+    """Return a batch with its floating tensors in float64, for the check's independent figures."""
     if torch.is_tensor(batch):
         return batch.double() if batch.is_floating_point() else batch
     if isinstance(batch, dict):
@@ -1269,7 +1335,7 @@ def to_float64(batch):
 
 
 def read(dataset, indices):
-    """Items of a Recorded set, as read_items reads them."""
+    """Read items of a Recorded set, as read_items reads them."""
     return read_items(dataset.dataset, indices, dataset.kept)
 
 
@@ -1293,7 +1359,7 @@ def set_random_states(states):
 
 
 def read_items(dataset, indices, kept=None):
-    """Items as the DataLoader fetches them. Each item is read from a random state of its own
+    """Read items as the DataLoader fetches them. Each item is read from a random state of its own
     index, so a Dataset that draws random numbers gives an item the same values each time, alone
     or in a batch, in any process. A Dataset with __getitems__, such as torch's Subset, reads one
     index at a time, and the parts are joined into the batch that it would give. The global
@@ -1314,21 +1380,24 @@ def read_items(dataset, indices, kept=None):
                 kept[i] = parts[-1]
         if not reads_batches:
             return parts
-        if all(isinstance(part, list) for part in parts):  # a list of items, as Subset gives
+        if all(isinstance(part, list) for part in parts):  # Subset gives a list of items.
             return [item for part in parts for item in part]
         if all(isinstance(part, tuple) and all(map(torch.is_tensor, part)) for part in parts):
-            return tuple(torch.cat(fields) for fields in zip(*parts))  # a batch of tensors
+            # This is a batch of tensors.
+            return tuple(torch.cat(fields) for fields in zip(*parts))
         values = [value for part in parts if isinstance(part, dict) for value in part.values()]
         if all(isinstance(part, dict) for part in parts) and all(map(torch.is_tensor, values)):
-            return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}  # a dict
-        seed_all(indices[0])  # (a batch of another kind: read at once, from one random state)
+            # This is a dict of tensors.
+            return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+        # A batch of another kind is read at once, from one random state.
+        seed_all(indices[0])
         return dataset.__getitems__(indices)
     finally:
         set_random_states(states)
 
 
 def read_item(dataset, i):
-    """One item, read from the random state of its index, as read_items reads it."""
+    """Read one item from the random state of its index, as read_items reads it."""
     states = random_states()
     try:
         seed_all(i)
@@ -1341,12 +1410,13 @@ F = torch.nn.functional
 DROPOUT_FUNCTIONS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout")
 DROPOUT_FUNCTIONS += ("feature_alpha_dropout",)
 DROPOUT_MODULES = (torch.nn.modules.dropout._DropoutNd,)
-dropouts_seen = set()  # the dropout functions that the model called with a rate above 0
+# This set collects the dropout functions that the model called with a rate above 0.
+dropouts_seen = set()
 
 
 def switch_off_dropout():
-    """Make every dropout an identity: torch's dropout functions, which nn.Dropout calls and a
-    model may call itself, and the dropout_p of F.scaled_dot_product_attention. It returns a
+    """Make every dropout an identity. This covers torch's dropout functions, which nn.Dropout calls
+    and a model may call itself, and the dropout_p of F.scaled_dot_product_attention. It returns a
     function that puts them back."""
     originals = {name: getattr(F, name) for name in DROPOUT_FUNCTIONS}
     originals["scaled_dot_product_attention"] = F.scaled_dot_product_attention
@@ -1361,7 +1431,7 @@ def switch_off_dropout():
 
     def attention(*args, **kwargs):
         args = list(args)
-        if len(args) > 4:  # (dropout_p is the fifth parameter)
+        if len(args) > 4:  # dropout_p is the fifth parameter.
             rate, args[4] = args[4], 0.0
         else:
             rate, kwargs["dropout_p"] = kwargs.get("dropout_p", 0.0), 0.0
@@ -1376,7 +1446,7 @@ def switch_off_dropout():
 
 
 def batch_norms(model):
-    """The BatchNorm layers that keep running statistics, by name."""
+    """Return the BatchNorm layers that keep running statistics, by name."""
     kind = torch.nn.modules.batchnorm._BatchNorm
     return {
         name: module
@@ -1386,8 +1456,8 @@ def batch_norms(model):
 
 
 def freeze_batch_norms(model, statistics):
-    """Each BatchNorm normalises with the calibrated statistics, as in eval mode, for good: an
-    edited loop's model.train() leaves it in eval mode."""
+    """Make each BatchNorm normalise with the calibrated statistics, as in eval mode, for good. Even
+    an edited loop's model.train() leaves it in eval mode."""
     for name, module in batch_norms(model).items():
         module.running_mean.copy_(statistics[f"{name}.running_mean"])
         module.running_var.copy_(statistics[f"{name}.running_var"])
@@ -1396,25 +1466,26 @@ def freeze_batch_norms(model, statistics):
 
 
 def initial_task(target, task, argv):
-    """The flags, the training set and the model at its initial weights, built and seeded as the
-    script builds them."""
+    """Return the flags, the training set and the model at its initial weights. They are built and
+    seeded as the script builds them."""
     args = target.parse_args(argv)
     seed = getattr(target, "seed_everything", torch.manual_seed)
-    seed(args.seed)  # as the script seeds before build_datasets, and again before build_model
+    # The script seeds before build_datasets and again before build_model, and so does this code.
+    seed(args.seed)
     train_set, _ = target.build_datasets(args)
     seed(args.seed)
     return args, train_set, task["build_model"](args)
 
 
 def calibrate_batch_norms(target, task, argv):
-    """The statistics of each BatchNorm at the initial weights, over the first training items
-    that the launches train, with dropout off. They are an average over all those items, so
+    """Compute the statistics of each BatchNorm at the initial weights, over the first training
+    items that the launches train, with dropout off. They are an average over all those items, so
     they normalise as well as batch statistics, and every launch gets the same ones."""
     args, train_set, model = initial_task(target, task, argv)
     norms = batch_norms(model)
     for module in norms.values():
         module.reset_running_stats()
-        module.momentum = None  # (a cumulative average over the batches)
+        module.momentum = None  # None gives a cumulative average over the batches.
     model.train()
     restore = switch_off_dropout()
     try:
@@ -1433,12 +1504,14 @@ def calibrate_batch_norms(target, task, argv):
 
 
 class Losses:
-    """compute_loss over batches of a Dataset at given weights: each batch in a model of its own,
-    made afresh, as a fresh process computes it (a layer with state starts from the weights')."""
+    """Losses computes compute_loss over batches of a Dataset at given weights. Each batch gets a
+    model of its own, made afresh, as a fresh process computes it. So a layer with state starts from
+    the state in the weights."""
 
     def __init__(self, args, task, collate_fn, statistics=None):
         self.args, self.task, self.collate_fn = args, task, collate_fn
-        self.statistics = statistics  # BatchNorm's calibrated statistics, as check 2 fixes them
+        # These are BatchNorm's calibrated statistics, as check 2 fixes them.
+        self.statistics = statistics
 
     def model(self, weights, train, float64=False):
         model = self.task["build_model"](self.args)
@@ -1449,8 +1522,9 @@ class Losses:
         return model.double() if float64 else model
 
     def mean(self, weights, train, dataset, batches, float64=False, seed=0):
-        """The count-weighted mean of compute_loss over batches (lists of indices), and the
-        count; in training mode or not; the model's random draws (dropout) from `seed`."""
+        """Return the count-weighted mean of compute_loss over batches, and the count. Each batch
+        is a list of indices. `train` sets training mode or not. The model's random draws, such as
+        dropout, come from `seed`."""
         total, count = 0.0, 0.0
         for indices in batches:
             model = self.model(weights, train, float64)
@@ -1463,7 +1537,8 @@ class Losses:
         return (total / count if count else 0.0), count
 
     def mean_float64(self, weights, train, dataset, batches):
-        """(mean, count), and the precision: float64 where the model and compute_loss allow."""
+        """Return (mean, count) and the precision. The precision is float64 where the model and
+        compute_loss allow it."""
         try:
             return self.mean(weights, train, dataset, batches, float64=True), "float64"
         except Exception:
@@ -1471,13 +1546,14 @@ class Losses:
 
 
 def probe(target, task, argv, inputs):
-    """One process, no process group: the figures that checks 2, 3 and 7 compare the launches
-    with. inputs: the initial weights (torchrun's rank 0's), each rank's first micro-batch there,
-    and the final weights (the python launch's)."""
+    """Compute the figures that checks 2, 3 and 7 compare the launches with. This runs in one
+    process, without a process group. The inputs are the initial weights from torchrun's rank 0,
+    each rank's first micro-batch there, and the final weights from the python launch."""
     args = target.parse_args(argv)
-    getattr(target, "seed_everything", torch.manual_seed)(args.seed)  # as before build_datasets
-    # the Datasets as the launches had them (install()'s build_datasets: their first items); the
-    # model and compute_loss the user's own (task)
+    # The script seeds like this before build_datasets.
+    getattr(target, "seed_everything", torch.manual_seed)(args.seed)
+    # The Datasets are as the launches had them, because install()'s build_datasets gives their
+    # first items. The model and compute_loss are the user's own, from task.
     train_set, eval_set = target.build_datasets(args)
     train_set.kept = {}  # Each figure below compares losses over the same items, read once.
     losses = Losses(args, task, target.collate_fn)
@@ -1491,37 +1567,43 @@ def probe(target, task, argv, inputs):
         {type(m).__name__ for m in layers if isinstance(m, kinds) and m.training}
     )
     with torch.no_grad():
-        # one micro-batch from two random states: the same loss unless training draws randomly
+        # One micro-batch from two random states gives the same loss, unless training draws
+        # random numbers.
         draws = [
             losses.mean(initial, True, train_set, micro_batches[:1], seed=s)[0] for s in (1, 2)
         ]
         found["random_in_training"] = draws[0] != draws[1]
-        # in evaluation (no dropout, no batch statistics) a mean over a batch's count is the
-        # count-weighted mean of its items' losses, each alone; a sum is B times it
+        # In evaluation there is no dropout and there are no batch statistics. Then a mean over a
+        # batch's count is the count-weighted mean of its items' losses, each computed alone. A sum
+        # is B times that mean.
         alone = losses.mean(initial, False, train_set, each)[0]
         found["batch_over_items"] = losses.mean(initial, False, train_set, micro_batches)[0] / alone
         found["item_counts"] = [losses.mean(initial, False, train_set, [i])[1] for i in each]
-        # a mean of 2B items is the count-weighted mean of its halves' means; a sum is their sum
+        # A mean of 2B items is the count-weighted mean of its halves' means. A sum of 2B items is
+        # the sum of its halves' sums.
         both = losses.mean(initial, False, train_set, [items])[0]
         halves = losses.mean(
             initial, False, train_set, [items[: len(items) // 2], items[len(items) // 2 :]]
         )[0]
         found["loss_2b_over_b"] = both / halves if halves else 1.0
-        # in training: whether a layer's output depends on the rest of the batch (BatchNorm)
+        # In training, this tells whether a layer's output depends on the rest of the batch, as
+        # with BatchNorm.
         try:
             batched = losses.mean(initial, True, train_set, micro_batches)[0]
             found["batch_dependent"] = abs(
                 losses.mean(initial, True, train_set, each)[0] - batched
             ) > 1e-5 * abs(batched)
-        except Exception:  # (BatchNorm of one item in training: an error)
+        except Exception:  # BatchNorm of one item in training raises an error.
             found["batch_dependent"] = True
         found["stateful"] = stateful_layers(losses, initial, train_set, micro_batches[0])
-        if not found["random_in_training"]:  # step 1 item by item, or as each rank's micro-batch
+        # Compute step 1 item by item, or as each rank's micro-batch.
+        if not found["random_in_training"]:
             per = micro_batches if found["batch_dependent"] else each
             (found["step_1"], _), found["precision"] = losses.mean_float64(
                 initial, True, train_set, per
             )
-        if eval_set is not None and len(eval_set):  # the final weights, each eval item alone
+        # The eval loss uses the final weights, with each eval item alone.
+        if eval_set is not None and len(eval_set):
             per_item = [[i] for i in range(len(eval_set))]
             (found["eval_loss"], _), _ = losses.mean_float64(final, False, eval_set, per_item)
     found["load_error"] = load_error(task["build_model"](args), final)
@@ -1530,9 +1612,9 @@ def probe(target, task, argv, inputs):
 
 
 def neutral_figures(losses, inputs, train_set):
-    """What check 2's launches neutralise, and what still differs from process to process there:
-    BatchNorm at the calibrated statistics, dropout off, and each item read from its own random
-    state."""
+    """Return what check 2's launches neutralise, and what still differs from process to process
+    there. The launches hold BatchNorm at the calibrated statistics, switch dropout off, and read
+    each item from its own random state."""
     path = inputs["calibrated"]
     statistics = torch.load(path, weights_only=True) if os.path.exists(path) else {}
     neutral = Losses(losses.args, losses.task, losses.collate_fn, statistics)
@@ -1553,7 +1635,7 @@ def neutral_figures(losses, inputs, train_set):
             try:
                 alone = neutral.mean(initial, True, train_set, [[i] for i in micro_batch])[0]
                 found["mixing"] = abs(alone - draws[0]) > 1e-5 * abs(draws[0])
-            except Exception:  # (a layer that mixes items may refuse a batch of one)
+            except Exception:  # A layer that mixes items may refuse a batch of one.
                 found["mixing"] = True
             found["mixing_layer"] = None
             if found["mixing"]:
@@ -1561,14 +1643,14 @@ def neutral_figures(losses, inputs, train_set):
             found["stateful"] = stateful_layers(neutral, initial, train_set, micro_batch)
     finally:
         restore()
-    implied = {"dropout"} if found["dropouts"] else set()  # (nn.Dropout calls F.dropout)
+    implied = {"dropout"} if found["dropouts"] else set()  # nn.Dropout calls F.dropout.
     found["functions"] = sorted(dropouts_seen - implied)
     return found
 
 
 def mixing_layer(losses, weights, dataset, items):
-    """The first layer, in the order that the forward calls them, whose output for the first
-    item changes when the rest of its batch is there, or None."""
+    """Return the first layer, in the order that the forward calls them, whose output for the first
+    item changes when the rest of its batch is there. Return None when no layer does."""
     outputs = {}
     for run, indices in (("batch", items), ("alone", items[:1])):
         model, outputs[run] = losses.model(weights, True), []
@@ -1598,9 +1680,9 @@ def mixing_layer(losses, weights, dataset, items):
 
 
 def sgd_rate(target, task, argv):
-    """The one learning rate of the check's plain SGD. A step at the initial weights moves them by
-    1% of their norm, so SGD cannot diverge where the user's --lr suits another optimizer, such as
-    Adadelta's 1.0. Every launch gets the same rate, so a loss summed over the ranks still trains
+    """Find the one learning rate of the check's plain SGD. A step at the initial weights moves them
+    by 1% of their norm, so SGD cannot diverge where the user's --lr suits another optimizer, such
+    as Adadelta's 1.0. Every launch gets the same rate, so a loss summed over the ranks still trains
     twice as fast as a mean."""
     args, train_set, model = initial_task(target, task, argv)
     model.train()
@@ -1611,13 +1693,13 @@ def sgd_rate(target, task, argv):
     grads = [p.grad.double().flatten() for p in model.parameters() if p.grad is not None]
     gradient = torch.cat(grads).norm() if grads else torch.tensor(0.0)
     if not (gradient > 0 and gradient.isfinite() and weights > 0):
-        return args.lr  # (nothing to scale by: the user's own rate)
+        return args.lr  # There is nothing to scale by, so the user's own rate stays.
     return float(0.01 * weights / gradient)
 
 
 def stateful_layers(losses, weights, dataset, micro_batch):
-    """The kinds of layers whose buffers a forward in training moves (BatchNorm's statistics, a
-    running normalizer's): their state is per process."""
+    """Return the kinds of layers whose buffers a forward in training moves, such as BatchNorm's
+    statistics or a running normalizer's. Their state is per process."""
     model = losses.model(weights, True)
     before = {name: buffer.clone() for name, buffer in model.named_buffers()}
     batch = losses.collate_fn(read(dataset, micro_batch))
@@ -1629,7 +1711,8 @@ def stateful_layers(losses, weights, dataset, micro_batch):
 
 
 def load_error(model, path):
-    """Why model.pt does not load into build_model() with a strict load_state_dict, or None."""
+    """Return why model.pt does not load into build_model() with a strict load_state_dict, or
+    None."""
     try:
         model.load_state_dict(torch.load(path, weights_only=True))
     except Exception as exc:
@@ -1653,23 +1736,25 @@ if __name__ == "__main__":
         sys.addaudithook(audit)
         torch_save = torch.save
 
-        # torch.save writes a path from C++: no audit event (a `from torch import save` escapes)
+        # torch.save writes a path from C++, so it raises no audit event. A script that does
+        # `from torch import save` escapes this.
         def save(obj, f, *args, **kwargs):
             if isinstance(f, (str, os.PathLike)):
                 audit("open", (f, "wb", None))
             return torch_save(obj, f, *args, **kwargs)
 
         torch.save = save
-    sys.exit(getattr(user, "main", target.main)())  # as `python SCRIPT` runs it
+    sys.exit(getattr(user, "main", target.main)())  # This runs it as `python SCRIPT` does.
 '''
 
 # ---------------------------------------------------------------------------
-# The command line, which make check runs with SCRIPT, ARGS and CHECKS
+# make check runs this command line with SCRIPT, ARGS and CHECKS.
 # ---------------------------------------------------------------------------
 
 
 def guarantee_numbers(text: str) -> list[int]:
-    """The numbers of --checks (2,3), each one of the guarantees. An empty list stands for all."""
+    """Parse the numbers of --checks, such as 2,3. Each number names one of the guarantees. An
+    empty list stands for all of them."""
     numbers = [n.strip() for n in text.split(",") if n.strip()]
     wrong = [n for n in numbers if not n.isdigit() or int(n) not in GUARANTEES]
     if wrong:
@@ -1695,7 +1780,7 @@ def main(argv=None) -> int:
     )
     options = parser.parse_args(argv)
     script = options.script
-    if not script:  # (make check SCRIPT=)
+    if not script:  # This happens with make check SCRIPT= and no script.
         print('make check SCRIPT=mine.py ARGS="...": the guarantees, on your copy')
         return 0
     if not Path(script).is_file():
