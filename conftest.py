@@ -1,7 +1,8 @@
-"""The fixtures of test_ddp_train.py: a user's project (examples/digits.py, examples/tinylm.py, and
-user.py, which changes one thing of them), two hosts made of network namespaces, a real SLURM cluster
-of two nodes, and the README's code blocks. The launches and the copy check that they share with
-make check are in check_copy.py."""
+"""This file holds the fixtures of test_ddp_train.py. The first is a user's project with
+examples/digits.py, examples/tinylm.py and user.py, which changes one thing of them. The others are
+two hosts made of network namespaces, a real SLURM cluster of two nodes, and the README's code
+blocks. The launches and the copy check that the tests share with make check are in
+check_copy.py."""
 
 from __future__ import annotations
 
@@ -43,13 +44,15 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def cpu_unless_marked_gpu(request, monkeypatch):
-    """Every launch sees no GPU (gloo on the CPU), a GPU machine's too, unless the test is marked gpu."""
+    """Every launch sees no GPU and runs gloo on the CPU, even on a GPU machine, unless the test is
+    marked gpu."""
     if not request.node.get_closest_marker("gpu"):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 def assert_same_weights(a: dict, b: dict, exact=False, rtol=1e-4):
-    """Bit for bit, or each tensor within `rtol` of the other in relative norm."""
+    """Assert that the weights are the same bit for bit, or that each tensor is within `rtol` of
+    the other in relative norm."""
     assert a.keys() == b.keys()
     for k in a:
         if exact:
@@ -61,8 +64,9 @@ def assert_same_weights(a: dict, b: dict, exact=False, rtol=1e-4):
 
 @contextlib.contextmanager
 def shared(tmp_path_factory, name):
-    """A directory of the session that the pytest-xdist workers share, held under a lock: the first to
-    get it makes what it holds (and touches its "done"), the others find it made."""
+    """Yield a directory of the session that the pytest-xdist workers share, and hold it under a
+    lock. The first worker to get it makes what it holds and touches its "done" file. The other
+    workers find it made."""
     root = tmp_path_factory.getbasetemp()
     d = (root.parent if "PYTEST_XDIST_WORKER" in os.environ else root) / "shared" / name
     d.mkdir(parents=True, exist_ok=True)
@@ -74,8 +78,8 @@ def shared(tmp_path_factory, name):
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """reference(cmd, **env): the Result of a run that several tests compare against, made once per
-    session by whichever pytest-xdist worker asks first."""
+    """reference(cmd, **env) returns the Result of a run that several tests compare against. The
+    pytest-xdist worker that asks first makes it, once per session."""
 
     def get(cmd, **env):
         # A test that holds slots for its launches would wait here for a worker that waits for them.
@@ -90,13 +94,14 @@ def reference(tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------
-# A user's project: ddp_train.py beside examples/digits.py, examples/tinylm.py and user.py
+# A user's project holds ddp_train.py beside examples/digits.py, examples/tinylm.py and user.py.
 # ---------------------------------------------------------------------------
 
-# user.py: BASE (digits, tinylm; else the default task), with the changes VARIANT names (comma-separated),
-# and STOP_SIGNAL sent by rank STOP_RANK to itself (STOP_TARGET=parent: to torchrun) in its STOP_AT-th
-# training micro-batch, once per job (not in a restarted worker). The first run of an out-dir
-# (RECORD.first does not exist yet) may also die in report() at step FAIL_STEP.
+# user.py runs the task BASE, which is digits or tinylm, or else the default task. It makes the
+# changes that VARIANT names, separated by commas. Rank STOP_RANK sends STOP_SIGNAL to itself in its
+# STOP_AT-th training micro-batch. With STOP_TARGET=parent, it sends the signal to torchrun instead.
+# It sends the signal once per job, and not in a restarted worker. The first run of an out-dir may
+# also die in report() at step FAIL_STEP. A run is the first while RECORD.first does not exist yet.
 USER_PY = '''
 import collections, contextlib, math, os, signal, sys, time
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -343,7 +348,8 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="session")
 def project(tmp_path_factory) -> Path:
-    """A user's project directory: a copy of ddp_train.py, the two examples and user.py."""
+    """Return a user's project directory. It holds a copy of ddp_train.py, the two examples and
+    user.py."""
     with shared(tmp_path_factory, "project") as d:
         if not (d / "done").exists():
             for name in ("ddp_train.py", "examples/digits.py", "examples/tinylm.py"):
@@ -353,7 +359,7 @@ def project(tmp_path_factory) -> Path:
 
 
 # ---------------------------------------------------------------------------
-# Two hosts: network namespaces with an address, hostname and /etc/hosts of their own
+# Two hosts are network namespaces, each with an address, a hostname and an /etc/hosts of its own.
 # ---------------------------------------------------------------------------
 
 
@@ -366,14 +372,16 @@ class Host:
         self.ns, self.addr, self.ifname, self.hostname = ns, addr, ifname, hostname
 
     def command(self, *argv):
-        # `ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts; unshare gives a hostname of its own
+        # `ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts. unshare gives the host a
+        # hostname of its own.
         unshare = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.hostname]
         return ["ip", "netns", "exec", self.ns, *unshare, *map(str, argv)]
 
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    """Two hosts joined by a veth pair, deleted afterwards; skips where namespaces cannot be made."""
+    """Yield two hosts joined by a veth pair, and delete them afterwards. Skip the test where
+    namespaces cannot be made."""
     if os.geteuid() != 0 or not all(map(shutil.which, ("ip", "unshare"))):
         pytest.skip("two hosts need root, iproute2 and unshare (network and UTS namespaces)")
     tag, subnet = f"{os.getpid() % 100000}", f"10.231.{random.randrange(1, 255)}"
@@ -406,10 +414,12 @@ def two_hosts():
 
 
 # ---------------------------------------------------------------------------
-# A real SLURM cluster (Debian's slurmctld and slurmd, auth/none) of two nodes, node0 (10.232.0.1) and
-# node1 (10.232.0.2), each in a network namespace of its own, joined by a veth pair; slurmctld and the
-# client commands run on node0. Started once per session, in /tmp/slurm-fixture/<pid>; a test's jobs are
-# cancelled after it, and a process of its still running then fails it. As root:
+# This is a real SLURM cluster of two nodes. It uses Debian's slurmctld and slurmd with auth/none.
+# node0 has the address 10.232.0.1, and node1 has 10.232.0.2. Each node is in a network namespace of
+# its own, and a veth pair joins them. slurmctld and the client commands run on node0. The cluster
+# starts once per session, in /tmp/slurm-fixture/<pid>. After each test, the fixture cancels the
+# test's jobs, and a process of the test that is still running then fails it. To install Slurm, run
+# this as root:
 #     apt-get install -y --no-install-recommends slurmctld slurmd slurm-client
 # ---------------------------------------------------------------------------
 
@@ -456,18 +466,21 @@ FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED"
 
 
 class SlurmCluster:
-    """slurmctld and two slurmd, children of this process, each node in a network namespace."""
+    """This cluster runs slurmctld and two slurmd as children of this process. Each node is in a
+    network namespace."""
 
     def __init__(self):
         self.root = Path(tempfile.gettempdir()) / "slurm-fixture" / str(os.getpid())
         self.namespaces = [f"slurmfx{os.getpid()}n{i}" for i in range(2)]
-        # jobs inherit this (sbatch exports the submitter's environment): this Python first on PATH
+        # Jobs inherit this environment, because sbatch exports the submitter's environment. So this
+        # Python comes first on PATH.
         path = f"{os.path.dirname(PY)}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
         self.env = {**clean_env(), "PATH": path, "SLURM_CONF": str(self.root / "slurm.conf")}
         self.daemons = []
 
     def cmd(self, argv, node=0):
-        """argv on a node: in its network namespace, with its hostname and an /etc/hosts of both."""
+        """Return the command that runs argv on a node. It runs in the node's network namespace,
+        with the node's hostname and an /etc/hosts of both nodes."""
         mount = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
         ns = f"--net=/run/netns/{self.namespaces[node]}"
         inside = [
@@ -497,7 +510,8 @@ class SlurmCluster:
         return self.run(argv).stdout.strip().split(";")[0]
 
     def job(self, job_id) -> dict:
-        """`scontrol show job` as a dict: JobState, ExitCode ("code:signal"), Restarts..."""
+        """Return `scontrol show job` as a dict with keys such as JobState, ExitCode and Restarts.
+        ExitCode has the form "code:signal"."""
         r = self.run(["scontrol", "show", "job", "-o", job_id], check=False)
         return (
             dict(re.findall(r"(\S+?)=(.*?)(?= \S+?=|$)", r.stdout.strip()))
@@ -553,7 +567,7 @@ class SlurmCluster:
         return self
 
     def processes(self) -> list[int]:
-        """Everything running in the cluster's namespaces but its daemons."""
+        """Return every process that runs in the cluster's namespaces, except its daemons."""
         pids = []
         for ns in self.namespaces:
             r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
@@ -569,7 +583,7 @@ class SlurmCluster:
         return True
 
     def reset(self) -> list[int]:
-        """Cancel every job; return the processes still running 10 s later (killed)."""
+        """Cancel every job. Kill the processes that still run 10 s later, and return them."""
         jobs = self.run(["squeue", "-h", "-o", "%A"], check=False).stdout.split()
         if jobs:
             self.run(["scancel", *jobs], check=False)
@@ -589,7 +603,8 @@ class SlurmCluster:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 d.wait(5)
             d.kill()
-        for ns in self.namespaces:  # (takes its end of the veth pair along)
+        # Deleting a namespace takes its end of the veth pair along.
+        for ns in self.namespaces:
             for pid in subprocess.run(
                 ["ip", "netns", "pids", ns], capture_output=True, text=True
             ).stdout.split():
@@ -606,7 +621,8 @@ def slurm_session():
     if os.geteuid() != 0 or missing:
         pytest.skip(f"a SLURM cluster needs root and {' '.join(missing) or 'Slurm'}")
     cluster = SlurmCluster()
-    # SIGTERM (a CI cancel) would end Python at once: as Ctrl-C, it runs the teardown.
+    # A SIGTERM, such as a CI cancel, would end Python at once. This handler turns it into a
+    # Ctrl-C, so that the teardown runs.
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -623,13 +639,14 @@ def slurm_cluster(slurm_session):
 
 
 # ---------------------------------------------------------------------------
-# The README's code blocks, as a newcomer runs them
+# The tests run the README's code blocks as a newcomer runs them.
 # ---------------------------------------------------------------------------
 
 
 def readme_blocks(path=ROOT / "README.md") -> list[tuple[str, str, str | None]]:
-    """The README's fenced bash and python blocks in order: (language, text, why it is not run or None).
-    A block is not run where the line before it says `<!-- not run by the tests: WHY -->`."""
+    """Return the README's fenced bash and python blocks in order. Each block is a tuple of its
+    language, its text, and why it is not run or None. A block is not run where the line before it
+    says `<!-- not run by the tests: WHY -->`."""
     blocks, why, lines = [], None, path.read_text().splitlines()
     i = 0
     while i < len(lines):
@@ -645,8 +662,8 @@ def readme_blocks(path=ROOT / "README.md") -> list[tuple[str, str, str | None]]:
 
 
 def fresh_checkout(repo: Path) -> Path:
-    """This project's tracked files in `repo`, with a .venv made (this Python, as `make setup` would
-    leave it where the Python it is made from has torch)."""
+    """Copy this project's tracked files into `repo`, and make a .venv there that runs this Python.
+    This is the .venv that `make setup` leaves where the Python that it is made from has torch."""
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout
     for name in tracked.split():
         (repo / name).parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
-"""Tests of ddp_train.py: the real script in real processes (gloo on the CPU), one test per guarantee.
-The launch helpers and the copy check that make check runs are in check_copy.py. The fixtures (the
-user's project, two hosts, a SLURM cluster, the README's blocks) are in conftest.py."""
+"""This file tests ddp_train.py. The tests run the real script in real processes, with gloo on the
+CPU, and each test checks one guarantee. The launch helpers and the copy check that make check runs
+are in check_copy.py. conftest.py holds the fixtures, which are the user's project, two hosts, a
+SLURM cluster and the README's blocks."""
 
 from __future__ import annotations
 
@@ -47,16 +48,19 @@ from check_copy import (
 )
 from conftest import RUN_MULTI, assert_same_weights, fresh_checkout, readme_blocks
 
-# ddp_train's own task functions, kept before an example that replaces them is imported
+# These are ddp_train's own task functions. The tests keep them here before they import an example
+# that replaces them.
 build_datasets, build_model = ddp_train.build_datasets, ddp_train.build_model
-# 1000 samples: a step of 32 or 64 leaves a partial global batch out; 301 eval samples split unevenly
+# The run has 1000 samples, so a step of 32 or 64 leaves a partial global batch out. The 301 eval
+# samples do not split evenly.
 SMALL = ["--num-samples", 1000, "--eval-samples", 301, "--epochs", 2, "--batch-size", 32]
 SMALL += ["--log-every", 0]
-# torchrun 2 x 16 (or 1 process x 32): 64 steps an epoch, a checkpoint every 10
+# With torchrun 2 x 16, or with 1 process x 32, an epoch has 64 steps. The run saves a checkpoint
+# every 10 steps.
 RESUME = ["--num-samples", 2048, "--eval-samples", 100, "--epochs", 2, "--save-every", 10]
 RESUME += ["--log-every", 20, "--batch-size", 16]
 DIGITS = ["--epochs", 2, "--batch-size", 16, "--save-every", 10, "--log-every", 20]
-# tinylm, shrunk: 64 functions to train on, 8 to evaluate
+# These settings shrink tinylm. It then trains on 64 functions and evaluates on 8.
 LM = dict(BASE="tinylm", LM_TRAIN=64, LM_EVAL=8)
 gpu, multinode, slurm, tier = (
     getattr(pytest.mark, m) for m in ("gpu", "multinode", "slurm", "tier")
@@ -64,7 +68,7 @@ gpu, multinode, slurm, tier = (
 
 
 def example(name):
-    """examples/NAME.py as a module, leaving ddp_train's own task functions in place."""
+    """Import examples/NAME.py as a module, and leave ddp_train's own task functions in place."""
     saved = dict(vars(ddp_train))
     spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -78,7 +82,8 @@ def args_of(*argv):
 
 
 def user_cmd(project, launch, *args):
-    """user.py of the project, under python, python --spawn N ("spawn 2") or torchrun N."""
+    """Return the command that runs the project's user.py. The launch is "python", "spawn N" for
+    python --spawn N, or "torchrun N"."""
     script = str(project / "user.py")
     if launch == "python":
         return python_cmd(*args, script=script)
@@ -88,7 +93,8 @@ def user_cmd(project, launch, *args):
 
 
 def shuffle(n, epoch, seed=0):
-    """The epoch's shuffle of n samples, as DistributedSampler draws it (and every world size shares)."""
+    """Return the epoch's shuffle of n samples, as DistributedSampler draws it. Every world size
+    shares this shuffle."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
@@ -97,7 +103,8 @@ def last_line(text):
 
 
 def steady(records):
-    """Records without their timings: what an interrupted run and an uninterrupted one share."""
+    """Return the records without their timings. An interrupted run and an uninterrupted one share
+    these."""
     return [
         {k: v for k, v in r.items() if not k.endswith(("_per_s", "eta_s", "epoch_s"))}
         for r in records
@@ -105,7 +112,7 @@ def steady(records):
 
 
 # ---------------------------------------------------------------------------
-# Launch modes: each trains the same run, and rank 0 alone speaks and writes
+# Every launch mode trains the same run, and only rank 0 speaks and writes.
 # ---------------------------------------------------------------------------
 
 MODES = {
@@ -131,11 +138,14 @@ def test_every_launch_mode_trains_the_same_run_and_only_rank_0_writes(tmp_path, 
     assert [m["world_size"] for m in r.records("epoch")] == [world, world]
     files = ["checkpoint.pt", "checkpoint.prev.pt", "metrics.jsonl", "model.pt"]
     assert sorted(p.name for p in r.out_dir.iterdir()) == sorted(files)
-    build_model(args_of()).load_state_dict(r.weights)  # strict: no "module." or "_orig_mod." prefix
-    # N processes x 32 / N: the same global batch as one process x 32, so the same run
+    # The load is strict, so the weights have no "module." or "_orig_mod." prefix.
+    build_model(args_of()).load_state_dict(r.weights)
+    # N processes x 32 / N have the same global batch as one process x 32, so they train the same
+    # run.
     one = reference(python_cmd(*SMALL))
     assert_same_weights(r.weights, one.weights, exact=world == 1)
-    if world == 2:  # and the same world size started any way: the same run bit for bit
+    # The same world size, started in any way, trains the same run bit for bit.
+    if world == 2:
         assert_same_weights(
             r.weights,
             reference(MODES["torchrun-2"][0](*SMALL[:-3], 16, "--log-every", 0)).weights,
@@ -144,9 +154,10 @@ def test_every_launch_mode_trains_the_same_run_and_only_rank_0_writes(tmp_path, 
 
 
 def test_srun_variables_are_translated_into_torchruns(tmp_path, reference):
-    # A bare `srun -n2 python ddp_train.py` by hand: MASTER_ADDR the first host of the step's node list,
-    # suffix and all (127.0.0.1), the port from the job and step ids, as run_multi_node.sh picks it. (On
-    # a real cluster: test_srun_tasks_are_the_processes_of_one_run.)
+    # This test imitates a bare `srun -n2 python ddp_train.py` by hand. MASTER_ADDR is the first
+    # host of the step's node list, and it keeps its suffix, so it is 127.0.0.1. The port comes from
+    # the job and step ids, as run_multi_node.sh picks it. The test
+    # test_srun_tasks_are_the_processes_of_one_run does the same on a real cluster.
     jobs = (random.randrange(10**6) for _ in range(100))
     job = next(j for j in jobs if bindable(61000 + (j * 11 + 3) % 4500))
     slurm = dict(
@@ -173,14 +184,15 @@ def test_srun_variables_are_translated_into_torchruns(tmp_path, reference):
 
 
 # ---------------------------------------------------------------------------
-# Exact means: N x B == 1 x N*B; one SGD step is w0 - lr x the gradient of the mean; exact evaluation
+# The means are exact. N x B equals 1 x N*B, one SGD step is w0 - lr x the gradient of the mean,
+# and the evaluation is exact.
 # ---------------------------------------------------------------------------
 
 
 @tier
 def test_n_processes_x_b_with_accumulation_equal_one_process_x_n_times_b(tmp_path, reference):
-    # 2 processes x 8 x 2 micro-batches = 1 process x 32: 31 full steps an epoch (8 samples left out),
-    # with the global gradient clipped at every step
+    # 2 processes x 8 x 2 micro-batches equal 1 process x 32. An epoch has 31 full steps and leaves
+    # 8 samples out. The run clips the global gradient at every step.
     clip = ["--clip-grad-norm", 0.5]
     two = run(torchrun_cmd(2, *SMALL[:-3], 8, "--grad-accum", 2, *clip), tmp_path, "two")
     one = run(python_cmd(*SMALL, *clip), tmp_path, "one")
@@ -188,19 +200,20 @@ def test_n_processes_x_b_with_accumulation_equal_one_process_x_n_times_b(tmp_pat
         "global batch 32 = 8/process x 2 x 2 accum, 31 steps/epoch (each leaves out 8" in two.stdout
     )
     assert_same_weights(two.weights, one.weights)
-    # the tolerance tells apart a learning rate 1% off
+    # The tolerance tells apart a learning rate that is 1% off.
     other = run(python_cmd(*SMALL, *clip, "--lr", 0.00099), tmp_path, "other")
     with pytest.raises(AssertionError):
         assert_same_weights(two.weights, other.weights)
 
 
 def gap(got: dict, want: dict) -> float:
-    """The largest relative distance, over the tensors, of one update from another."""
+    """Return the largest relative distance of one update from another, over all the tensors."""
     return max(((got[k].double() - want[k]).norm() / want[k].norm()).item() for k in want)
 
 
 def sgd_step(model, loss_of, lr=0.5):
-    """w0 - lr x the gradient of loss_of(model), in float64, and that loss: one step by hand."""
+    """Take one step by hand. Return w0 - lr x the gradient of loss_of(model) in float64, and
+    return that loss."""
     model = model.double()
     loss = loss_of(model)
     loss.backward()
@@ -214,8 +227,9 @@ ONE_STEP = ["--max-steps", 1, "--lr", 0.5, "--eval-samples", 0, "--log-every", 0
 def test_one_sgd_step_over_samples_is_w0_minus_lr_times_the_gradient_of_their_mean(
     project, tmp_path, launch
 ):
-    # 50 samples, a global batch of 48 in micro-batches of 12 (python: 4 of them; torchrun: 2 a rank):
-    # the step trains the first 48 of epoch 0's shuffle, the other 2 are left out
+    # There are 50 samples and a global batch of 48 in micro-batches of 12. Under python, the one
+    # process runs 4 of them, and under torchrun, each rank runs 2. The step trains the first 48
+    # samples of epoch 0's shuffle, and it leaves the other 2 out.
     split = ["--batch-size", 12, "--grad-accum", 4 if launch == "python" else 2]
     r = run(
         user_cmd(project, launch, "--num-samples", 50, *ONE_STEP, *split),
@@ -229,7 +243,8 @@ def test_one_sgd_step_over_samples_is_w0_minus_lr_times_the_gradient_of_their_me
     want, loss = sgd_step(model, lambda m: F.cross_entropy(m(x[step].double()), y[step]))
     assert gap(r.weights, want) < 1e-5, gap(r.weights, want)
     assert r.records("epoch")[0]["train_loss"] == pytest.approx(loss, rel=1e-6)
-    # negative controls: the sum's gradient (a mean taken for a sum), and all 50 samples
+    # These are the negative controls. The first uses the gradient of the sum, as when a mean is
+    # taken for a sum. The second uses all 50 samples.
     torch.manual_seed(0)
     summed, _ = sgd_step(
         build_model(args_of()),
@@ -244,8 +259,9 @@ def test_one_sgd_step_over_samples_is_w0_minus_lr_times_the_gradient_of_their_me
 def test_one_sgd_step_over_tokens_is_w0_minus_lr_times_the_gradient_of_their_mean(
     project, tmp_path, launch
 ):
-    # user.py's "masked" task: only every tenth sample has a target token. A global batch of 96 of 100 in
-    # micro-batches of 4: most hold no token (their mean is 0/0) and must weigh nothing.
+    # In user.py's "masked" task, only every tenth sample has a target token. A global batch of 96
+    # of the 100 samples comes in micro-batches of 4. Most micro-batches hold no token, so their
+    # mean is 0/0, and they must weigh nothing.
     split = ["--batch-size", 4, "--grad-accum", 24 if launch == "python" else 12]
     cmd = user_cmd(project, launch, "--num-samples", 100, *ONE_STEP, *split)
     r = run(cmd, tmp_path, env=clean_env(VARIANT="sgd,masked"))
@@ -268,11 +284,12 @@ def test_one_sgd_step_over_tokens_is_w0_minus_lr_times_the_gradient_of_their_mea
 
 
 def test_a_step_without_a_single_token_changes_nothing(project, tmp_path):
-    # "masked", 2 samples a step: steps 1 and 3 hold one token each (samples 19 and 69), step 2 none.
-    # SGD: w3 = w0 - lr x the two tokens' gradients in turn, at the cosine's lr of steps 1 and 3 (x 1,
-    # x 0.25); the empty step neither moves the weights nor poisons them. A line at every step: step
-    # 2's has no train_loss (a mean over no token), not a division by zero. The epoch's metric
-    # (train_twice) is exact too.
+    # The "masked" task takes 2 samples a step. Steps 1 and 3 hold one token each, which are the
+    # samples 19 and 69, and step 2 holds none. With SGD, w3 = w0 - lr x the two tokens' gradients
+    # in turn, at the cosine's lr of steps 1 and 3, which is lr x 1 and lr x 0.25. The empty step
+    # neither moves the weights nor poisons them. The run writes a line at every step. The line of
+    # step 2 has no train_loss, because that would be a mean over no token, and the run does not
+    # divide by zero. The epoch's metric train_twice is exact too.
     args = ["--num-samples", 100, *ONE_STEP[2:], "--max-steps", 3, "--batch-size", 2]
     args += ["--log-every", 1]
     env = clean_env(VARIANT="sgd,masked,trainmetric")
@@ -291,7 +308,8 @@ def test_a_step_without_a_single_token_changes_nothing(project, tmp_path):
     assert epoch["train_tokens"] == 2 and epoch["train_loss"] == pytest.approx(
         sum(losses) / 2, rel=1e-6
     )
-    # a metric too: its mean over no token weighs nothing, as the loss's (no NaN in the file)
+    # A metric's mean over no token weighs nothing too, as the loss's mean does. The file holds no
+    # NaN.
     assert epoch["train_twice"] == pytest.approx(2 * epoch["train_loss"], rel=1e-12), epoch
     assert "NaN" not in (r.out_dir / "metrics.jsonl").read_text()
     lines = r.records("progress")
@@ -303,8 +321,9 @@ def test_a_step_without_a_single_token_changes_nothing(project, tmp_path):
 def test_one_sgd_step_of_a_language_model_is_w0_minus_lr_times_the_gradient_of_its_token_mean(
     project, tmp_path
 ):
-    # tinylm, dropout off: 2 ranks x 4 sequences x 3 micro-batches = 24 of its 26 functions, each padded
-    # in its own micro-batch; every real target token weighs the same, whatever its sequence's length
+    # This runs tinylm with dropout off. 2 ranks x 4 sequences x 3 micro-batches make 24 of its 26
+    # functions, and each function is padded in its own micro-batch. Every real target token weighs
+    # the same, whatever the length of its sequence.
     env = clean_env(VARIANT="sgd", **{**LM, "LM_TRAIN": 26, "LM_EVAL": 4, "LM_DROPOUT": 0.0})
     r = run(
         user_cmd(project, "torchrun 2", *ONE_STEP, "--batch-size", 4, "--grad-accum", 3),
@@ -324,11 +343,14 @@ def test_one_sgd_step_of_a_language_model_is_w0_minus_lr_times_the_gradient_of_i
     )
     update = lambda weights: {k: v.double() - w0[k] for k, v in weights.items()}  # noqa: E731
     g = gap(update(r.weights), update(want))
-    assert g < 1e-3, g  # the updates themselves: float32 through a transformer against float64
+    # The test compares the updates themselves, because float32 through a transformer is compared
+    # against float64.
+    assert g < 1e-3, g
     epoch = r.records("epoch")[0]
     assert epoch["train_loss"] == pytest.approx(loss, rel=1e-5)
     assert epoch["train_tokens"] == int((targets != -100).sum())
-    # negative control: the mean of the sequences' own means (a short function's tokens weigh more)
+    # The negative control takes the mean of the sequences' own means. In it, the tokens of a short
+    # function weigh more.
     model.load_state_dict(w0)
 
     def per_sequence(m):
@@ -340,7 +362,8 @@ def test_one_sgd_step_of_a_language_model_is_w0_minus_lr_times_the_gradient_of_i
 
 
 def test_evaluation_counts_each_sample_once_on_a_size_the_world_does_not_divide(reference):
-    # 301 eval samples over 2 ranks: 151 and 150, never DistributedSampler's padding to 302
+    # The 301 eval samples split over 2 ranks as 151 and 150. The script never pads them to 302, as
+    # DistributedSampler does.
     r = reference(torchrun_cmd(2, *SMALL[:-3], 16, "--log-every", 0))
     model = build_model(args_of()).double()
     model.load_state_dict(r.weights)
@@ -353,15 +376,16 @@ def test_evaluation_counts_each_sample_once_on_a_size_the_world_does_not_divide(
         losses.mean().item(), rel=1e-6
     )
     assert last["eval_accuracy"] == pytest.approx(right.mean().item(), rel=1e-9)
-    padded = torch.cat([losses, losses[:1]]).mean().item()  # the negative control
+    padded = torch.cat([losses, losses[:1]]).mean().item()  # This is the negative control.
     assert last["eval_loss"] != pytest.approx(padded, rel=1e-5)
 
 
 def test_eval_only_evaluates_the_checkpoint_the_same_on_any_world_size(
     project, tmp_path, reference
 ):
-    # the finished run's checkpoint holds model.pt's weights: --eval-only on 1 and 2 processes gives
-    # its last epoch record's figures (each of the 301 samples counted once, whatever the world size)
+    # The finished run's checkpoint holds model.pt's weights. So --eval-only on 1 and 2 processes
+    # gives the figures of its last epoch record. Each of the 301 samples counts once, whatever the
+    # world size.
     done = reference(user_cmd(project, "torchrun 2", *SMALL[:-3], 16, "--log-every", 0))
     want = {k: v for k, v in done.records("epoch")[-1].items() if k.startswith("eval_")}
     for launch in ("python", "torchrun 2"):
@@ -373,23 +397,26 @@ def test_eval_only_evaluates_the_checkpoint_the_same_on_any_world_size(
             assert evaluation.wait() == 0, evaluation.stderr
         (got,) = [eval(line) for line in Path(f"{env['RECORD']}.0").read_text().splitlines()]
         assert got["kind"] == "eval" and got["step"] == 62 and got.keys() >= want.keys(), got
-        assert {k: got[k] for k in want} == pytest.approx(want, rel=1e-6)  # other batches: rounding
+        # The batches differ, so the figures differ by rounding.
+        assert {k: got[k] for k in want} == pytest.approx(want, rel=1e-6)
         assert (out / "metrics.jsonl").read_text() == (done.out_dir / "metrics.jsonl").read_text()
 
 
 def test_training_metrics_are_exact_means_and_report_gets_the_model_after_the_steps_save(
     project, tmp_path
 ):
-    # compute_loss returns {"twice": 2 x loss} in training: train_twice is 2 x train_loss, mean for
-    # mean. report(record, args, model) gets the raw module at the record's step, after that step's
-    # checkpoint where the step saves: the weights it is given are the ones --eval-every evaluated.
+    # In training, compute_loss returns {"twice": 2 x loss}, so train_twice is 2 x train_loss, mean
+    # for mean. report(record, args, model) gets the raw module at the record's step. Where the step
+    # saves, report() gets it after that step's checkpoint. The weights that it is given are the
+    # ones that --eval-every evaluated.
     args = [*RESUME, "--eval-every", 7, "--save-every", 14]
     env = clean_env(VARIANT="trainmetric,report,weights", RECORD=tmp_path / "report")
     r = run(user_cmd(project, "torchrun 2", *args), tmp_path, env=env)
     for record in r.records("progress") + r.records("epoch"):
         assert record["train_twice"] == pytest.approx(2 * record["train_loss"], rel=1e-12), record
     lines = (tmp_path / "report.saved").read_text().splitlines()
-    saved = dict(line.split() for line in lines)  # record's step: the checkpoint's step then
+    # Each line maps a record's step to the checkpoint's step at that time.
+    saved = dict(line.split() for line in lines)
     assert all(saved[s] == s for s in saved if int(s) % 14 == 0 or int(s) % 64 == 0), saved
     x, y = build_datasets(args_of("--num-samples", 2048, "--eval-samples", 100))[1].tensors
     for record in r.records("eval")[:2]:
@@ -403,8 +430,8 @@ def test_training_metrics_are_exact_means_and_report_gets_the_model_after_the_st
 
 
 def test_a_frozen_batchnorm_stays_in_eval_mode_through_evaluations(project, tmp_path):
-    # digits with its first BatchNorm put in eval mode by build_model (as when fine-tuning): the
-    # evaluations every 5 steps leave it so, and its statistics never move
+    # build_model puts the first BatchNorm of digits in eval mode, as when fine-tuning. The
+    # evaluations every 5 steps leave it in eval mode, and its statistics never move.
     env = clean_env(BASE="digits", VARIANT="frozen")
     r = run(
         user_cmd(project, "python", *DIGITS, "--epochs", 1, "--eval-every", 5), tmp_path, env=env
@@ -414,7 +441,7 @@ def test_a_frozen_batchnorm_stays_in_eval_mode_through_evaluations(project, tmp_
     assert (
         torch.equal(w["1.running_mean"], torch.zeros(16)) and int(w["1.num_batches_tracked"]) == 0
     )
-    assert int(w["4.num_batches_tracked"]) > 0  # the other BatchNorm trained
+    assert int(w["4.num_batches_tracked"]) > 0  # The other BatchNorm trained.
 
 
 def test_namedtuple_batches_train_the_same_run(project, tmp_path, reference):
@@ -425,13 +452,15 @@ def test_namedtuple_batches_train_the_same_run(project, tmp_path, reference):
 
 
 # ---------------------------------------------------------------------------
-# Logging: rank 0 alone, every --log-every steps, the exact global mean since the last line
+# Only rank 0 logs. It logs every --log-every steps, and it logs the exact global mean since the
+# last line.
 # ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("task", ["samples", "tokens"])
 def test_log_every_gives_rank_0_alone_the_exact_mean_since_the_last_line(project, tmp_path, task):
-    # lr 0: the weights stay w0, so each line's loss is the mean at w0 over its steps' items, by hand
+    # With lr 0 the weights stay w0. So the test computes each line's loss by hand, as the mean at
+    # w0 over the items of its steps.
     args = ["--epochs", 1, "--batch-size", 4, "--lr", 0, "--log-every", 3, "--eval-samples", 0]
     env = dict(VARIANT="report", RECORD=tmp_path / "report")
     if task == "tokens":
@@ -476,12 +505,14 @@ def test_log_every_gives_rank_0_alone_the_exact_mean_since_the_last_line(project
 
 
 # ---------------------------------------------------------------------------
-# Preemption and crashes: every rank stops at one step and saves; the rerun resumes bit for bit
+# These tests cover preemption and crashes. Every rank stops at one step and saves, and the rerun
+# resumes bit for bit.
 # ---------------------------------------------------------------------------
 
 
 def stopped_and_resumed(cmd, tmp_path, stop, expect, **env):
-    """The run, stopped by user.py's STOP_* settings, then the same command again: both Results."""
+    """Run the command, which user.py's STOP_* settings stop, and then run the same command again.
+    Return both Results."""
     first = run(cmd, tmp_path, expect=expect, env=clean_env(**stop, **env))
     m = re.search(r"stopped by a signal at step (\d+)", first.stdout)
     assert m and (tmp_path / "out" / "checkpoint.pt").exists(), first
@@ -494,14 +525,14 @@ def stopped_and_resumed(cmd, tmp_path, stop, expect, **env):
 def test_sigterm_to_the_launcher_stops_every_rank_and_the_rerun_ends_bit_identical(
     project, tmp_path, reference, launch
 ):
-    # SIGTERM to torchrun or to --spawn's process alone, as a scheduler stops a job: it passes the
-    # signal on. --spawn returns the workers' 75; torchrun returns 1.
+    # The test sends SIGTERM only to torchrun or to --spawn's process, as a scheduler stops a job.
+    # That process passes the signal on. --spawn returns the workers' 75, and torchrun returns 1.
     stop = dict(STOP_AT=40, STOP_SIGNAL="SIGTERM", STOP_TARGET="parent")
     first, again = stopped_and_resumed(user_cmd(project, launch, *RESUME), tmp_path, stop, None)
     assert first.returncode == (75 if launch == "spawn 2" else 1) and "exit 75" in first.stdout
     whole = reference(user_cmd(project, "torchrun 2", *RESUME))
     assert_same_weights(again.weights, whole.weights, exact=True)
-    # every record once, as the uninterrupted run wrote it, but the timings
+    # Every record appears once, as the uninterrupted run wrote it, except for the timings.
     assert steady(again.metrics) == steady(whole.metrics)
 
 
@@ -513,7 +544,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_ends_bi
     first, again = stopped_and_resumed(
         user_cmd(project, "torchrun 2", *RESUME), tmp_path, stop, None
     )
-    # rank 1 took the signal; rank 0, which never got one, stopped at the same step: it says so
+    # Rank 1 took the signal. Rank 0 never got one, but it stopped at the same step, and it says so.
     assert "exit 75" in first.stdout, first
     whole = reference(user_cmd(project, "torchrun 2", *RESUME))
     assert_same_weights(again.weights, whole.weights, exact=True)
@@ -522,8 +553,9 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_ends_bi
 def test_a_worker_killed_under_max_restarts_is_restarted_and_the_run_ends_bit_identical(
     project, tmp_path, reference
 ):
-    # a progress record every step: those of steps 71 to 75, written before the kill, are dropped at
-    # the resume from step 70 and written again: every record once, as the uninterrupted run wrote it
+    # The run writes a progress record at every step. It writes the records of steps 71 to 75 before
+    # the kill. The resume from step 70 drops them and writes them again. So every record appears
+    # once, as the uninterrupted run wrote it.
     args = [*RESUME, "--log-every", 1]
     cmd = torchrun_cmd(2, *args, script=str(project / "user.py"), launcher=["--max-restarts=1"])
     r = run(cmd, tmp_path, env=clean_env(STOP_AT=75, STOP_SIGNAL="SIGKILL", STOP_RANK=1))
@@ -537,7 +569,8 @@ def test_a_worker_killed_under_max_restarts_is_restarted_and_the_run_ends_bit_id
 def test_ctrl_c_stops_every_rank_after_one_step_and_the_rerun_ends_bit_identical(
     project, tmp_path, reference, launch
 ):
-    # Ctrl-C as a terminal sends it: SIGINT to the whole process group (the launcher and its workers)
+    # The test sends Ctrl-C as a terminal sends it. SIGINT goes to the whole process group, which is
+    # the launcher and its workers.
     cmd = user_cmd(project, launch, *RESUME)
     with Launch([*cmd, "--out-dir", tmp_path / "out"], tmp_path, "first") as first:
         first.wait_for(lambda: (tmp_path / "out/checkpoint.pt").exists(), "a checkpoint")
@@ -545,7 +578,8 @@ def test_ctrl_c_stops_every_rank_after_one_step_and_the_rerun_ends_bit_identical
         code = first.wait()
     assert "stopped by a signal at step" in first.stdout and "exit 75" in first.stdout, first.stdout
     assert "KeyboardInterrupt" not in first.stderr, first.stderr
-    # the script's own exit code, but under torchrun, which returns 1 and its traceback
+    # The exit code is the script's own, except under torchrun, which returns 1 and writes its
+    # traceback.
     assert code == (1 if launch.startswith("torchrun") else 75), first.stderr
     assert launch.startswith("torchrun") or "Traceback" not in first.stderr, first.stderr
     again = run(cmd, tmp_path)
@@ -557,10 +591,10 @@ def test_ctrl_c_stops_every_rank_after_one_step_and_the_rerun_ends_bit_identical
 def test_a_stop_saves_before_it_evaluates_and_the_rerun_writes_the_evaluation_first(
     project, tmp_path, reference
 ):
-    # Every step evaluates (--eval-every 1), so the stop's step does too. The stopped run saves and
-    # exits without evaluating after the ranks agreed to stop: the grace period after a SIGTERM goes
-    # to the save. The rerun evaluates that step first, and writes every record once, as the
-    # uninterrupted run wrote it.
+    # With --eval-every 1 every step evaluates, so the stop's step does too. After the ranks agree
+    # to stop, the stopped run saves and exits without evaluating. So the grace period after a
+    # SIGTERM goes to the save. The rerun evaluates that step first, and it writes every record
+    # once, as the uninterrupted run wrote it.
     args = [*RESUME, "--eval-every", 1, "--log-every", 1]
     cmd = user_cmd(project, "torchrun 2", *args)
     stop = dict(STOP_AT=40, STOP_SIGNAL="SIGTERM", STOP_RANK=1)
@@ -574,16 +608,16 @@ def test_a_stop_saves_before_it_evaluates_and_the_rerun_writes_the_evaluation_fi
     assert f"resumed from {tmp_path}/out/checkpoint.pt at step {stopped_at}," in again.stdout
     assert steady(again.metrics) == steady(whole.metrics)
     assert_same_weights(again.weights, whole.weights, exact=True)
-    # A stop that the ranks agree on at the last step ends a run that is done: it writes the
-    # step's records and model.pt, and exits 0.
+    # A stop that the ranks agree on at the last step ends a run that is done. The run writes the
+    # step's records and model.pt, and it exits 0.
     last_stop = dict(STOP_AT=127, STOP_SIGNAL="SIGTERM", STOP_RANK=1)
     last = run(cmd, tmp_path, "last", env=clean_env(**last_stop))
     assert "saved" in last.stdout and steady(last.metrics) == steady(whole.metrics), last
 
 
 def test_a_crash_between_a_checkpoint_and_its_records_loses_no_record(project, tmp_path, reference):
-    # Step 20 saves, then logs a progress record and an eval record. Rank 0 dies in report() after
-    # the progress record: the rerun resumes from step 20 and writes its eval record first.
+    # Step 20 saves, and then it logs a progress record and an eval record. Rank 0 dies in report()
+    # after the progress record. The rerun resumes from step 20 and writes its eval record first.
     # The crash also cut the file just after the progress record, before its newline.
     args = [*RESUME, "--eval-every", 20]
     cmd = user_cmd(project, "torchrun 2", *args)
@@ -601,7 +635,7 @@ def test_a_crash_between_a_checkpoint_and_its_records_loses_no_record(project, t
 
 
 def test_a_closed_standard_output_does_not_stop_the_run(tmp_path, reference):
-    # `| head -n 1` closes the pipe after the first line: the run goes on and saves everything.
+    # `| head -n 1` closes the pipe after the first line. The run goes on and saves everything.
     cmd = shlex.join(map(str, python_cmd(*SMALL, "--out-dir", tmp_path / "out")))
     shell = f"set -o pipefail; {cmd} | head -n 1"
     with Launch(["bash", "-c", shell], tmp_path, "piped") as piped:
@@ -628,9 +662,10 @@ def test_a_resume_names_every_flag_unlike_its_checkpoints_run(tmp_path, referenc
 def test_a_dataset_with_random_augmentation_resumes_with_the_same_samples_in_the_same_order(
     project, tmp_path, reference, workers
 ):
-    # digits augments with torch, random and numpy. Loaded in the training process (--workers 0) its
-    # draws are the rank's own checkpointed generators: the rerun ends bit-identical. In DataLoader
-    # workers they are the workers', which start afresh: the same samples, in the same order.
+    # digits augments with torch, random and numpy. With --workers 0 the training process loads the
+    # data, and its draws come from the rank's own generators, which the checkpoint holds. So the
+    # rerun ends bit-identical. In DataLoader workers the draws come from the workers' generators,
+    # which start afresh. Then the rerun gets the same samples in the same order.
     cmd = user_cmd(project, "torchrun 2", *DIGITS, "--workers", workers)
     stop = dict(STOP_AT=30, STOP_SIGNAL="SIGTERM", STOP_TARGET="parent")
     env = dict(BASE="digits", VARIANT="indices")
@@ -663,7 +698,8 @@ def test_a_users_onecyclelr_gets_every_step_and_resumes_bit_identical(project, t
     _, again = stopped_and_resumed(cmd, tmp_path, stop, 75, VARIANT="onecycle")
     whole = reference(cmd, VARIANT="onecycle")
     assert_same_weights(again.weights, whole.weights, exact=True)
-    # each step's lr: OneCycleLR's own, stepped once per optimizer step across the stop
+    # Each step's lr is OneCycleLR's own. The scheduler steps once per optimizer step, across the
+    # stop too.
     opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-3)
     sched, lrs = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=128), []
     for _ in range(128):
@@ -680,20 +716,22 @@ def test_a_truncated_checkpoint_falls_back_to_the_one_before_or_stops_with_one_l
     run(cmd, tmp_path, expect=75, env=clean_env(STOP_AT=45, STOP_SIGNAL="SIGTERM"))
     out = tmp_path / "out"
     shutil.copytree(out, tmp_path / "spare")
-    # a crash in the middle of a write: a torn checkpoint.pt; checkpoint.prev.pt (step 40) is whole
+    # A crash in the middle of a write leaves a torn checkpoint.pt. The file checkpoint.prev.pt of
+    # step 40 is whole.
     (out / "checkpoint.pt").write_bytes((out / "checkpoint.pt").read_bytes()[:1000])
     r = run(cmd, tmp_path)
     assert "checkpoint.pt is unreadable" in r.stdout and "resuming from" in r.stdout, r
     assert f"resumed from {out}/checkpoint.prev.pt at step 40," in r.stdout, r
     assert_same_weights(r.weights, reference(cmd).weights, exact=True)
-    # a crash between the two renames: checkpoint.pt moved to .prev, the new one still .tmp
+    # A crash between the two renames leaves checkpoint.pt moved to .prev and the new one still
+    # .tmp.
     shutil.rmtree(out)
     shutil.copytree(tmp_path / "spare", out)
     (out / "checkpoint.pt").rename(out / "checkpoint.pt.tmp")
     r = run(cmd, tmp_path)
     assert f"resumed from {out}/checkpoint.pt.tmp at step 45," in r.stdout, r
     assert_same_weights(r.weights, reference(cmd).weights, exact=True)
-    # neither readable: one line, and both files as they were
+    # When neither file is readable, the script writes one line and leaves both files as they were.
     shutil.rmtree(out)
     shutil.copytree(tmp_path / "spare", out)
     for name in ("checkpoint.pt", "checkpoint.prev.pt"):
@@ -705,17 +743,19 @@ def test_a_truncated_checkpoint_falls_back_to_the_one_before_or_stops_with_one_l
         == (out / "checkpoint.prev.pt").read_bytes()
         == b"not a checkpoint"
     )
-    # the first save cut short: a torn checkpoint.pt.tmp alone was never published. Every restart
-    # starts afresh, with one line, and trains the run.
+    # Here the first save was cut short. A torn checkpoint.pt.tmp alone was never published. Every
+    # restart starts afresh with one line, and it trains the run.
     shutil.rmtree(out)
     out.mkdir()
-    torn = (tmp_path / "spare/checkpoint.pt").read_bytes()[:-100]  # (no zip directory at its end)
+    # The torn file has no zip directory at its end.
+    torn = (tmp_path / "spare/checkpoint.pt").read_bytes()[:-100]
     (out / "checkpoint.pt.tmp").write_bytes(torn)
     r = run(cmd, tmp_path)
     assert "checkpoint.pt.tmp was cut short while it was written" in r.stdout, r
     assert "resumed" not in r.stdout and "Traceback" not in r.stderr, r
     assert_same_weights(r.weights, reference(cmd).weights, exact=True)
-    # a whole file that does not load is another matter: one line, and the file as it was
+    # A whole file that does not load is another matter. The script writes one line and leaves the
+    # file as it was.
     shutil.rmtree(out)
     out.mkdir()
     with zipfile.ZipFile(out / "checkpoint.pt.tmp", "w") as whole:
@@ -728,9 +768,10 @@ def test_a_truncated_checkpoint_falls_back_to_the_one_before_or_stops_with_one_l
 
 @pytest.mark.parametrize("launch", [pytest.param("torchrun 2", marks=tier), "spawn 2"])
 def test_no_thread_of_the_process_group_outlives_main(project, tmp_path, launch):
-    # A gloo thread that is alive when Python finalizes, and takes the GIL to free a tensor, aborts
-    # the exit ("terminate called without an active exception"). So none may outlive main(): every
-    # thread that the process group started (gloo's, the store's) is joined before it returns.
+    # A gloo thread can be alive when Python finalizes and take the GIL to free a tensor. Then it
+    # aborts the exit with "terminate called without an active exception". So no such thread may
+    # outlive main(). Every thread that the process group started, gloo's and the store's, is joined
+    # before main() returns.
     env = clean_env(VARIANT="threads", RECORD=tmp_path / "threads")
     run(user_cmd(project, launch, *SMALL[:-3], 16, "--epochs", 1), tmp_path, env=env)
     left = [(tmp_path / f"threads.{rank}").read_text() for rank in range(2)]
@@ -740,9 +781,9 @@ def test_no_thread_of_the_process_group_outlives_main(project, tmp_path, launch)
 def test_the_ranks_of_a_node_share_the_pages_of_the_checkpoint_they_resume(
     project, tmp_path, reference
 ):
-    # Each rank maps the checkpoint (torch.load's mmap) instead of reading it into memory of its
-    # own: the page cache holds it once for the node. On the CPU the restored optimizer keeps those
-    # tensors, so the mapping is still there at the first step.
+    # Each rank maps the checkpoint with torch.load's mmap instead of reading it into memory of its
+    # own. So the page cache holds it once for the node. On the CPU the restored optimizer keeps
+    # those tensors, so the mapping is still there at the first step.
     cmd = user_cmd(project, "torchrun 2", *SMALL[:-3], 16, "--log-every", 0)
     shutil.copytree(reference(cmd).out_dir, tmp_path / "out")
     env = clean_env(VARIANT="maps", RECORD=tmp_path / "maps")
@@ -762,8 +803,8 @@ def test_a_finished_run_rerun_trains_nothing_and_says_so(tmp_path, reference):
 
 
 def test_a_finished_run_without_its_model_file_writes_it_at_the_rerun(project, tmp_path, reference):
-    # report() fails at the last record: the checkpoint says finished, and model.pt is missing.
-    # The rerun writes model.pt from the checkpoint, the weights of the whole run.
+    # report() fails at the last record. The checkpoint says that the run finished, and model.pt is
+    # missing. The rerun writes model.pt from the checkpoint, with the weights of the whole run.
     cmd = user_cmd(project, "python", *SMALL)
     env = clean_env(VARIANT="report", FAIL_STEP=62, RECORD=tmp_path / "report")
     failed = run(cmd, tmp_path, expect=1, env=env)
@@ -778,9 +819,9 @@ def test_a_finished_run_without_its_model_file_writes_it_at_the_rerun(project, t
 def test_a_non_finite_loss_or_gradient_stops_every_rank_with_one_line_and_writes_nothing(
     project, tmp_path, where
 ):
-    # rank 1's loss (or only its gradient, the loss finite) turns NaN in its 25th micro-batch: the sums
-    # before the evaluation of step 25 show it on every rank; the checkpoint of step 20 stays, and no
-    # record or model.pt holds a NaN
+    # Rank 1's loss turns NaN in its 25th micro-batch, or only its gradient does while the loss
+    # stays finite. The sums before the evaluation of step 25 show it on every rank. The checkpoint
+    # of step 20 stays, and no record or model.pt holds a NaN.
     r = run(
         user_cmd(project, "torchrun 2", *RESUME, "--eval-every", 5),
         tmp_path,
@@ -798,10 +839,12 @@ def test_a_non_finite_loss_or_gradient_stops_every_rank_with_one_line_and_writes
 
 
 # ---------------------------------------------------------------------------
-# Bad input: the classic mistakes get one line naming the fix and a non-zero exit, and cost nothing
+# For bad input, each classic mistake gets one line that names the fix, and a non-zero exit. The
+# mistake costs nothing.
 # ---------------------------------------------------------------------------
 
-# One epoch of 1000 samples, 1 process x 64, a progress line (and so a fold) at every step.
+# This is one epoch of 1000 samples on 1 process x 64. It writes a progress line at every step, so
+# it also folds at every step.
 MISTAKE = ["--num-samples", 1000, "--eval-samples", 0, "--epochs", 1, "--log-every", 1]
 MISTAKES = {
     "no full step": (
@@ -859,11 +902,14 @@ def test_a_classic_mistake_is_one_line_naming_the_fix_and_costs_nothing(
 ):
     args, env, says = MISTAKES[mistake]
     out, cmd = tmp_path / "out", user_cmd(project, "python", *MISTAKE)
-    if "another" in mistake:  # the out-dir holds a checkpoint of 1 process x 64
+    if "another" in mistake:  # The out-dir holds a checkpoint of 1 process x 64.
         shutil.copytree(reference(cmd).out_dir, out)
-    if "accumulation" in mistake:  # here of torchrun 2 x 64: one process resumes it at 128 a step
+    # Here the out-dir holds a checkpoint of torchrun 2 x 64, so one process resumes it at 128 a
+    # step.
+    if "accumulation" in mistake:
         shutil.copytree(reference(user_cmd(project, "torchrun 2", *MISTAKE)).out_dir, out)
-    if "older" in mistake:  # as ddp_train.py wrote them before its checkpoints had a format
+    # ddp_train.py wrote checkpoints like this one before its checkpoints had a format.
+    if "older" in mistake:
         out.mkdir()
         torch.save({"model": [], "progress": {"step": 3}, "rng": []}, out / "checkpoint.pt")
     with socket.create_server(("127.0.0.1", 0)) as taken:
@@ -872,7 +918,7 @@ def test_a_classic_mistake_is_one_line_naming_the_fix_and_costs_nothing(
             env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         before = {p.name: p.read_bytes() for p in out.glob("*")}
         r = run([*cmd, *map(str, args)], tmp_path, expect=None, env=clean_env(**env))
-    # it fails at once: it never waits out the --timeout for a peer
+    # The run fails at once. It never waits out the --timeout for a peer.
     assert r.returncode != 0 and r.seconds < PEER_TIMEOUT, r
     assert says in last_line(r.stderr) and last_line(r.stderr).startswith("user.py: error: "), r
     assert "Traceback" not in r.stderr and r.stderr.count("user.py: error:") == 1, r
@@ -880,7 +926,8 @@ def test_a_classic_mistake_is_one_line_naming_the_fix_and_costs_nothing(
 
 
 def test_a_switch_of_a_task_that_is_on_by_default_turns_off_with_no_name(tmp_path):
-    # TASK_FLAGS ("augment", True, ...): --no-augment turns it off, --augment on
+    # The TASK_FLAGS entry ("augment", True, ...) is on by default. --no-augment turns it off, and
+    # --augment turns it on.
     code = (
         "import ddp_train\n"
         "ddp_train.TASK_FLAGS.append(('augment', True, 'random flips'))\n"
@@ -952,9 +999,10 @@ def test_the_task_functions_see_the_plan_and_the_flags(tmp_path):
 
 
 def test_a_checkpoint_that_only_one_node_sees_is_one_line(tmp_path, reference):
-    # Two processes started by hand as two nodes without shared storage: each in a directory of its own
-    # with a relative --out-dir, rank 0's holding a checkpoint, rank 1's none. They would train different
-    # steps (and hang at the end): both stop at once, and rank 0 says why.
+    # The test starts two processes by hand as two nodes without shared storage. Each runs in a
+    # directory of its own with a relative --out-dir. Rank 0's directory holds a checkpoint, and
+    # rank 1's holds none. They would train different steps and hang at the end. So both stop at
+    # once, and rank 0 says why.
     env = dict(WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
     shutil.copytree(reference(python_cmd(*SMALL)).out_dir, tmp_path / "node0/out")
     (tmp_path / "node1").mkdir()
@@ -982,7 +1030,7 @@ def test_a_checkpoint_that_only_one_node_sees_is_one_line(tmp_path, reference):
 
 
 # ---------------------------------------------------------------------------
-# DDP's options
+# These tests cover DDP's options.
 # ---------------------------------------------------------------------------
 
 
@@ -1002,22 +1050,24 @@ def test_bf16_autocast_trains_on_the_cpu_too(tmp_path, reference):
 
 
 def test_a_compiled_ddp_model_trains_the_same_run_and_saves_a_plain_state_dict(tmp_path, reference):
-    # torchrun 2 x 16, compiled (the DDP model: DDPOptimizer splits the graph at its buckets), against
-    # one eager process x 32
+    # The test compares a compiled run of torchrun 2 x 16 against one eager process x 32. The
+    # compiled model is the DDP model, so DDPOptimizer splits the graph at its buckets.
     args = [*SMALL[:-5], 1, "--log-every", 0, "--batch-size"]
     r = run(torchrun_cmd(2, *args, 16, "--compile"), tmp_path, timeout=300)
-    build_model(args_of()).load_state_dict(r.weights)  # strict: no "_orig_mod." or "module."
+    # The load is strict, so the weights have no "_orig_mod." or "module." prefix.
+    build_model(args_of()).load_state_dict(r.weights)
     assert_same_weights(r.weights, reference(python_cmd(*args, 32)).weights)
 
 
 # ---------------------------------------------------------------------------
-# The launch helpers and the Makefile
+# These tests cover the launch helpers and the Makefile.
 # ---------------------------------------------------------------------------
 
 
 @tier
 def test_make_train_and_train_cpu_run_a_script_of_yours_each_in_its_own_out_dir(tmp_path):
-    # a fresh checkout with its .venv made (this Python), and digits.py as the user's script
+    # The test makes a fresh checkout with its .venv, which runs this Python. digits.py is the
+    # user's script.
     repo = fresh_checkout(tmp_path / "repo")
     for target, world in (("train", 1), ("train-cpu", 2)):
         make = ["make", "-s", target, "SCRIPT=examples/digits.py", "ARGS=--epochs 1 --log-every 0"]
@@ -1034,9 +1084,10 @@ README_BLOCKS = readme_blocks()
 
 
 def test_every_readme_block_works_as_written(tmp_path):
-    # In a fresh checkout, in the README's order: each bash line runs and exits 0; a python block whose
-    # first line names a file (# tb.py: ...) is that file, which a later bash line runs; any other python
-    # block runs as it stands. Then the recipes are checked by what they wrote.
+    # The test works in a fresh checkout and follows the README's order. Each bash line runs and
+    # exits 0. A python block whose first line names a file, as "# tb.py: ..." does, is that file,
+    # and a later bash line runs it. Any other python block runs as it stands. Then the test checks
+    # the recipes by what they wrote.
     pytest.importorskip(
         "tensorboard", reason="the TensorBoard recipe needs tensorboard (make setup)"
     )
@@ -1051,7 +1102,7 @@ def test_every_readme_block_works_as_written(tmp_path):
         lines = [text] if language == "python" else [x for x in text.splitlines() if x.strip()]
         for line in lines:
             cmd = [".venv/bin/python", "-c", line] if language == "python" else ["bash", "-c", line]
-            # make check's own launches take their slots
+            # The launches of make check take their own slots, so this line takes none.
             slots = 0 if "make check" in line else processes(line.split())
             env = clean_env(PYTHONPATH=None)
             with Launch(cmd, tmp_path, f"block{ran}", env=env, cwd=repo, slots=slots) as r:
@@ -1059,7 +1110,8 @@ def test_every_readme_block_works_as_written(tmp_path):
                 assert r.wait(limit) == 0, f"{line}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
             ran += 1
     assert ran >= 7, ran
-    # TensorBoard: a scalar for every number of every record kind, from one writer (rank 0's) only
+    # TensorBoard has a scalar for every number of every record kind. Only one writer wrote them,
+    # and it is rank 0's.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = list(repo.rglob("events.out.tfevents*"))
@@ -1068,7 +1120,8 @@ def test_every_readme_block_works_as_written(tmp_path):
     records = [json.loads(x) for x in (repo / "out/tb/metrics.jsonl").read_text().splitlines()]
     want = {f"{r['kind']}/{k}" for r in records for k in r if k not in ("kind", "step", "epoch")}
     assert {"progress/train_loss", "eval/eval_loss", "epoch/eval_accuracy"} <= want == set(tags)
-    # the best weights: those of the record with the lowest eval_loss, which load as README says
+    # The best weights are those of the record with the lowest eval_loss, and they load as the
+    # README says.
     records = [json.loads(x) for x in (repo / "out/best/metrics.jsonl").read_text().splitlines()]
     best = min((r for r in records if "eval_loss" in r), key=lambda r: r["eval_loss"])
     model = build_model(args_of()).double()
@@ -1118,7 +1171,8 @@ CEILING = {"tokens": 7200, "lines": 1436, "function lines": 60}
 
 
 def test_the_script_stays_within_its_budget():
-    # code tokens (comments and strings are free), formatted lines, flags
+    # The budget counts code tokens, formatted lines and the lines of the longest function. Comments
+    # and strings are free.
     source = Path(SCRIPT).read_text()
     skip = {
         tokenize.COMMENT,
@@ -1135,7 +1189,7 @@ def test_the_script_stays_within_its_budget():
     tokens = [
         t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type not in skip
     ]
-    if sys.version_info[:2] == (3, 11):  # the measure: Python 3.11's tokenizer
+    if sys.version_info[:2] == (3, 11):  # The measure is Python 3.11's tokenizer.
         assert len(tokens) <= CEILING["tokens"], len(tokens)
     assert len(source.splitlines()) <= CEILING["lines"]
     longest = max(
@@ -1147,7 +1201,7 @@ def test_the_script_stays_within_its_budget():
 
 
 # ---------------------------------------------------------------------------
-# Two hosts, and a real SLURM cluster
+# These tests run on two hosts and on a real SLURM cluster.
 # ---------------------------------------------------------------------------
 
 
@@ -1160,7 +1214,7 @@ def test_two_hosts_train_the_run_of_one_process_with_their_global_batch(
     settings = dict(
         PYTHON=PY, NNODES=2, MASTER_ADDR=two_hosts[0].addr, MASTER_PORT=port, NPROC_PER_NODE=1
     )
-    with reserve_slots():  # (the nodes wait for each other: no other test beside them)
+    with reserve_slots():  # The nodes wait for each other, so no other test runs beside them.
         nodes = [
             Launch(
                 h.command(RUN_MULTI, *SMALL[:-3], 16, "--out-dir", out),
@@ -1178,8 +1232,9 @@ def test_two_hosts_train_the_run_of_one_process_with_their_global_batch(
 
 
 def torchrun_on(host, *launcher, name, endpoint, args, tmp_path, **env):
-    """torchrun of one process on one of the two hosts, as typed: through torchrun's shared store.
-    --local-addr names the host, so that the host of the lower address is node 0 of each round."""
+    """Launch torchrun with one process on one of the two hosts, as a user types it. It goes
+    through torchrun's shared store. --local-addr names the host, so that the host of the lower
+    address is node 0 of each round."""
     rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--local-addr={host.addr}"]
     cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node=1", *rdzv, *launcher, *args]
     return Launch(
@@ -1189,15 +1244,15 @@ def torchrun_on(host, *launcher, name, endpoint, args, tmp_path, **env):
 
 @multinode
 def test_two_node_restarts_resume_bit_identical(two_hosts, project, tmp_path, reference):
-    # torchrun --nnodes=2 --max-restarts=1, as typed, with its store shared across rounds. Node 1's
-    # worker dies while node 0's computes: node 1 counts a restart and node 0 does not, and both
-    # restart in a new round, which finds the old round's keys in that store. The run resumes on
-    # both nodes and ends bit-identical to the uninterrupted run.
+    # The test runs torchrun --nnodes=2 --max-restarts=1 as a user types it, with its store shared
+    # across rounds. Node 1's worker dies while node 0's worker computes. Node 1 counts a restart
+    # and node 0 does not. Both restart in a new round, which finds the old round's keys in that
+    # store. The run resumes on both nodes and ends bit-identical to the uninterrupted run.
     endpoint = f"{two_hosts[0].addr}:{free_port()}"
     whole = reference(user_cmd(project, "torchrun 2", *RESUME))
     args = [project / "user.py", "--timeout", PEER_TIMEOUT, *RESUME, "--out-dir", tmp_path / "out"]
     stop = dict(STOP_AT=75, STOP_SIGNAL="SIGKILL", STOP_RANK=1, VARIANT="busy")
-    with reserve_slots():  # (the nodes wait for each other: no other test beside them)
+    with reserve_slots():  # The nodes wait for each other, so no other test runs beside them.
         launcher = ["--nnodes=2", "--max-restarts=1", "--rdzv-id=restarts"]
         nodes = [
             torchrun_on(
@@ -1223,13 +1278,14 @@ def test_two_node_restarts_resume_bit_identical(two_hosts, project, tmp_path, re
 def test_a_node_that_leaves_and_joins_again_resumes_the_run_with_its_global_batch(
     two_hosts, project, tmp_path, reference
 ):
-    # An elastic job of 1 to 2 nodes of one process each. Node 1 dies once both trained to a
-    # checkpoint: node 0's worker loses its peer, and node 0 restarts it alone, with 2 micro-batches
-    # a step (the same global batch of 32). Node 1 joins again: node 0's worker stops and saves, and
-    # both resume at world size 2, node 0 at its restart count 1 and node 1 at 0. The run ends as
-    # the uninterrupted one at world size 2, to float rounding. A joining node needs a store of its
-    # round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as run_multi_node.sh sets for elastic jobs): in
-    # torch's shared store, a new node's torchrun waits for an address that no node writes.
+    # This is an elastic job of 1 to 2 nodes with one process each. Node 1 dies once both nodes
+    # have trained to a checkpoint. Node 0's worker loses its peer, and node 0 restarts it alone
+    # with 2 micro-batches a step, which keeps the same global batch of 32. Then node 1 joins again.
+    # Node 0's worker stops and saves, and both nodes resume at world size 2. Node 0 resumes at its
+    # restart count 1, and node 1 resumes at 0. The run ends as the uninterrupted one at world size
+    # 2, up to float rounding. A joining node needs a store of its own round, so the test sets
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as run_multi_node.sh sets it for elastic jobs. In
+    # torch's shared store, the torchrun of a new node waits for an address that no node writes.
     out, endpoint = tmp_path / "out", f"{two_hosts[0].addr}:{free_port()}"
     whole = reference(user_cmd(project, "torchrun 2", *RESUME))
     conf = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -1257,7 +1313,7 @@ def test_a_node_that_leaves_and_joins_again_resumes_the_run_with_its_global_batc
                 "a checkpoint of two",
             )
             b.kill()
-        # alone, node 0's worker waits in its first step until a node joins
+        # Node 0's worker is alone now, so it waits in its first step until a node joins.
         a.wait_for(lambda: "world size 1," in a.stdout, "node 0 alone")
         with node(1, "b_again") as b_again:
             assert [a.wait(240), b_again.wait(240)] == [0, 0], a.stderr + b_again.stderr
@@ -1270,7 +1326,8 @@ def test_a_node_that_leaves_and_joins_again_resumes_the_run_with_its_global_batc
 
 
 def slurm_job(cluster, tmp_path, script, *options):
-    """sbatch `script`; wait for the job to COMPLETE; its output."""
+    """Submit `script` with sbatch, and wait for the job to COMPLETE. Return the job, its info
+    and its output."""
     output = tmp_path / "job.out"
     job = cluster.sbatch(script, *options, output=output)
     info = cluster.wait(job)
@@ -1281,12 +1338,13 @@ def slurm_job(cluster, tmp_path, script, *options):
 
 @slurm
 def test_srun_tasks_are_the_processes_of_one_run(slurm_cluster, tmp_path, reference):
-    # `srun -N2 -n2 python ddp_train.py`: MASTER_ADDR from the step's node list (node[0-1]: node0)
+    # The job runs `srun -N2 -n2 python ddp_train.py`. MASTER_ADDR comes from the step's node
+    # list, so node[0-1] gives node0.
     out = tmp_path / "out"
     two = reference(torchrun_cmd(2, *SMALL[:-3], 16, "--log-every", 0))
     args = [*SMALL[:-3], 16, "--log-every", 0, "--timeout", PEER_TIMEOUT, "--out-dir", out]
     job = f"srun -N2 -n2 {PY} {SCRIPT} {' '.join(map(str, args))}\n"
-    with reserve_slots():  # (the tasks wait for each other: no other test beside them)
+    with reserve_slots():  # The tasks wait for each other, so no other test runs beside them.
         _, _, text = slurm_job(slurm_cluster, tmp_path, job, "-N2", "-n2")
     assert "world size 2," in text, text
     assert_same_weights(torch.load(out / "model.pt"), two.weights, exact=True)
@@ -1296,9 +1354,10 @@ def test_srun_tasks_are_the_processes_of_one_run(slurm_cluster, tmp_path, refere
 def test_a_signalled_slurm_job_is_requeued_by_run_multi_node_and_resumes_bit_identical(
     slurm_cluster, project, tmp_path, reference
 ):
-    # The batch script of run_multi_node.sh's header on 2 nodes, one process each. scancel sends its
-    # steps USR1 (as --signal=USR1@120 does before the time limit): every worker saves and stops, and the
-    # script, finding no model.pt, requeues the job, whose second run resumes.
+    # The test runs the batch script of run_multi_node.sh's header on 2 nodes, with one process
+    # each. scancel sends USR1 to the job's steps, as --signal=USR1@120 does before the time limit.
+    # Every worker saves and stops. The script finds no model.pt, so it requeues the job, and the
+    # job's second run resumes.
     header = [
         line[4:] for line in Path(RUN_MULTI).read_text().splitlines() if line.startswith("#   ")
     ]
@@ -1308,7 +1367,7 @@ def test_a_signalled_slurm_job_is_requeued_by_run_multi_node_and_resumes_bit_ide
     script = script.replace("--slurm -- ", f"--slurm --script {project}/user.py -- {args} ")
     output = tmp_path / "job.out"
     whole = reference(user_cmd(project, "torchrun 2", *RESUME))
-    with reserve_slots():  # (the nodes wait for each other: no other test beside them)
+    with reserve_slots():  # The nodes wait for each other, so no other test runs beside them.
         job = slurm_cluster.sbatch(script, output=output)
         out = tmp_path / job
         deadline = time.monotonic() + 120
@@ -1327,7 +1386,7 @@ def test_a_signalled_slurm_job_is_requeued_by_run_multi_node_and_resumes_bit_ide
 
 
 # ---------------------------------------------------------------------------
-# GPUs (make test-gpu; skipped without CUDA)
+# These tests need GPUs. make test-gpu runs them, and they are skipped without CUDA.
 # ---------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -1359,7 +1418,8 @@ def test_a_gpu_run_stopped_by_sigterm_resumes_bit_identical(project, tmp_path, r
     _, again = stopped_and_resumed(
         user_cmd(project, f"torchrun {n}", *RESUME), tmp_path, stop, None
     )
-    assert ("nccl" if n > 1 else "cuda:0") in again.stdout, again  # (one GPU: no process group)
+    # With one GPU there is no process group, so the run names cuda:0 instead of nccl.
+    assert ("nccl" if n > 1 else "cuda:0") in again.stdout, again
     assert_same_weights(
         again.weights, reference(user_cmd(project, f"torchrun {n}", *RESUME)).weights, exact=True
     )
@@ -1370,23 +1430,25 @@ def test_a_gpu_run_stopped_by_sigterm_resumes_bit_identical(project, tmp_path, r
 @pytest.mark.parametrize(
     "variant,extra",
     [
-        ("", []),  # samples, an int count
+        ("", []),  # The count is of samples, and it is an int.
         ("", ["--grad-accum", 2]),
-        ("tokens", []),  # tokens, an int count, as y.numel() gives it
+        ("tokens", []),  # The count is of tokens, and it is an int, as y.numel() gives it.
         ("tokens", ["--grad-accum", 2]),
-        ("masked", []),  # tokens, a count on the device, as (y != -100).sum() gives it
+        ("masked", []),  # The count of tokens is on the device, as (y != -100).sum() gives it.
         ("masked", ["--grad-accum", 2]),
-        ("encoded", ["--amp", "bf16"]),  # batches with a .to() of their own (BatchEncoding)
-        ("", ["--amp", "fp16"]),  # the GradScaler with the fused AdamW
+        # The batches have a .to() of their own, as a BatchEncoding has.
+        ("encoded", ["--amp", "bf16"]),
+        ("", ["--amp", "fp16"]),  # This uses the GradScaler with the fused AdamW.
     ],
 )
 def test_no_step_waits_for_the_gpu_but_those_that_log_evaluate_or_save(
     project, tmp_path, variant, extra
 ):
-    # torch.cuda.set_sync_debug_mode("error") in every step that neither logs, evaluates nor saves
-    # (user.py's nosync): a wait for the GPU there fails the run, with the line that waited. Allowed:
-    # a token run's first step (nothing is known of its count yet), and under DDP its first 10
-    # iterations, which DDP measures with CUDA events.
+    # user.py's nosync sets torch.cuda.set_sync_debug_mode("error") in every step that neither
+    # logs, evaluates nor saves. A wait for the GPU in such a step fails the run and names the line
+    # that waited. Two kinds of step may wait. A token run's first step may wait, because nothing
+    # is known of its count yet. Under DDP the first 10 iterations may wait, because DDP measures
+    # them with CUDA events.
     n = torch.cuda.device_count()
     launch = "python" if n == 1 else f"torchrun {n}"
     args = ["--num-samples", 4096, "--max-steps", 40, "--log-every", 10, *extra]
@@ -1412,12 +1474,14 @@ def test_two_gpus_with_sync_bn_train_like_one_with_their_global_batch(project, t
 
 
 # ---------------------------------------------------------------------------
-# Check your copy: make check, on the shipped tasks and on copies of a task that break a guarantee
+# make check checks your copy. These tests run it on the shipped tasks, and on copies of a task
+# that break a guarantee.
 # ---------------------------------------------------------------------------
 
 
-# Copies of a task, each as a user would write it: the changes to the default task (or tinylm) and,
-# for a broken one, the guarantees the check must fail with a word its cause must say.
+# These are copies of a task, each as a user would write it. Each entry holds the changes to the
+# default task or to tinylm. For a broken copy, the entry also names the guarantees that the check
+# must fail, each with a word that its cause must say.
 COPY_HEAD = """import argparse, os, random, sys
 import torch, torch.nn as nn, torch.nn.functional as F
 import ddp_train
@@ -1500,12 +1564,14 @@ def compute_loss(model, batch):  # the mean of each sequence's token mean: not o
 ddp_train.compute_loss = compute_loss
 """,
     ),
-    # These are ddp_train.py itself, with one line of its loop edited, alone or under an example.
+    # These copies are ddp_train.py itself with one line of its loop edited. They run alone or under
+    # an example.
     "no-set-epoch": (
         {8: "set_epoch"},
         ("        state.sampler.set_epoch(epoch)", "        pass  # (no set_epoch)"),
     ),
-    # digits, with BatchNorm, dropout and augmentation, on a loop that divides by --grad-accum twice.
+    # This runs digits, with BatchNorm, dropout and augmentation, on a loop that divides by
+    # --grad-accum twice.
     "double-accum": (
         {2: "--grad-accum twice"},
         (
@@ -1515,7 +1581,7 @@ ddp_train.compute_loss = compute_loss
             "digits.py",
         ),
     ),
-    # tinylm on ddp_train.py with a loop that weighs each micro-batch's token mean the same.
+    # This runs tinylm on a ddp_train.py whose loop weighs each micro-batch's token mean the same.
     "equal-token-means": (
         {2: "weighed equally"},
         (
@@ -1558,8 +1624,8 @@ ddp_train.compute_loss = compute_loss
 """,
     ),
 }
-# A small ResNet: convolutions, BatchNorm and residual blocks, on images that the Dataset augments
-# with torch, random and numpy as it reads them.
+# This is a small ResNet with convolutions, BatchNorm and residual blocks. It trains on images that
+# the Dataset augments with torch, random and numpy as it reads them.
 RESNET = """
 import numpy
 class Block(nn.Module):
@@ -1595,9 +1661,10 @@ def build_model(args):
 ddp_train.build_datasets, ddp_train.build_model = build_datasets, build_model
 """
 COPY_ARGS = {"resnet-workers": ["--workers", 2]}
-# A correct copy runs the checks that it is about, or all of them where none are named. The shipped
-# tasks cover BatchNorm and dropout in every check: digits has both, and tinylm has dropout.
-CORRECT_COPIES = {  # that differ from the default task by design: the check passes them
+# These correct copies differ from the default task by design, and the check passes them. A correct
+# copy runs the checks that it is about, or all of them where none are named. The shipped tasks
+# cover BatchNorm and dropout in every check, because digits has both and tinylm has dropout.
+CORRECT_COPIES = {
     "running-norm": (
         (),
         """
@@ -1692,10 +1759,10 @@ ddp_train.build_model = build_model
 
 
 def write_copy(directory: Path, name: str, body: str | tuple) -> Path:
-    """A copy of a task in a project directory of its own: NAME.py beside tinylm.py and digits.py.
-    A body of text imports ddp_train.py from the repository. A body of (line, new line) is a copy
-    of ddp_train.py itself, with that line of its loop edited. A third item names an example,
-    which then runs on the edited copy as the project's ddp_train.py."""
+    """Write a copy of a task in a project directory of its own, as NAME.py beside tinylm.py and
+    digits.py. A body of text imports ddp_train.py from the repository. A body of (line, new line)
+    is a copy of ddp_train.py itself, with that line of its loop edited. A third item names an
+    example, which then runs on the edited copy as the project's ddp_train.py."""
     directory.mkdir()
     for example in ("tinylm.py", "digits.py"):
         shutil.copy(ROOT / "examples" / example, directory)
@@ -1715,10 +1782,12 @@ def write_copy(directory: Path, name: str, body: str | tuple) -> Path:
 
 
 def make_check(tmp_path, script, args=(), checks=()) -> tuple[int, dict, str]:
-    """make check's command on a script: its exit code, its lines by guarantee, and its output."""
+    """Run make check's command on a script. Return its exit code, its lines by guarantee, and its
+    output."""
     cmd = [PY, ROOT / "check_copy.py", script, f"--args={shlex.join(map(str, args))}"]
     cmd += [f"--checks={','.join(map(str, checks))}", f"--work={tmp_path / 'check'}"]
-    with Launch(cmd, tmp_path, "make-check", slots=0) as launch:  # (its launches take theirs)
+    # The launches of make check take their own slots, so this launch takes none.
+    with Launch(cmd, tmp_path, "make-check", slots=0) as launch:
         code = launch.wait(timeout=CHECK_TIMEOUT)
     lines = {}
     for line in launch.stdout.splitlines():
@@ -1732,7 +1801,9 @@ def make_check(tmp_path, script, args=(), checks=()) -> tuple[int, dict, str]:
 def test_make_check_names_the_guarantee_a_broken_copy_breaks_and_why(tmp_path, copy):
     fails, body = BROKEN_COPIES[copy]
     script = write_copy(tmp_path / "project", copy, body)
-    args = ["--workers", 1] if copy == "own-generator" else []  # (not taken for augmentation)
+    # With --workers 1, the check must still fail this copy. It must not mistake the draws of the
+    # copy's own generator for augmentation.
+    args = ["--workers", 1] if copy == "own-generator" else []
     code, lines, output = make_check(tmp_path, script, args, checks=sorted(fails))
     assert code == 1 and set(lines) == set(fails), output
     for number, cause in fails.items():
@@ -1747,9 +1818,9 @@ def test_make_check_passes_a_correct_copy_that_differs_by_design(tmp_path, copy)
     code, lines, output = make_check(tmp_path, script, COPY_ARGS.get(copy, []), checks)
     assert code == 0 and len(lines) == len(checks or GUARANTEES) and " 0 fail (" in output, output
     assert all(status == "pass" for n, (status, _) in lines.items() if n != 2), output
-    # Check 2 neutralises BatchNorm and the Dataset's draws, and says so. A layer that still mixes
-    # a batch's items or moves state of its own, and a Dataset that draws from generators of its
-    # own, are named in an n/a line.
+    # Check 2 neutralises BatchNorm and the Dataset's draws, and it says so. A layer may still mix
+    # a batch's items or move state of its own, and a Dataset may draw from generators of its own.
+    # The check names them in an n/a line.
     not_comparable = {
         "running-norm": ["RunningNorm"],
         "batch-mixer-and-own-draws": ["BatchCentre", "generators of its own"],
@@ -1775,9 +1846,11 @@ def test_make_check_passes_every_shipped_task(tmp_path, task):
     repo = fresh_checkout(tmp_path / "repo")
     make = ["make", "-s", "check", f"SCRIPT={task}"]
     env = clean_env(PYTHONPATH=None)
-    with Launch(make, tmp_path, "make", env=env, cwd=repo, slots=0) as launch:  # (as make_check)
+    # As in make_check, this launch takes no slots, because the launches of make check take theirs.
+    with Launch(make, tmp_path, "make", env=env, cwd=repo, slots=0) as launch:
         code = launch.wait(timeout=CHECK_TIMEOUT)
-    # N x B and 1 x N*B pass on each, with what check 2 neutralised in its line.
+    # The checks N x B and 1 x N*B pass on each task, and the line of check 2 says what it
+    # neutralised.
     assert code == 0 and "8 pass, 0 n/a, 0 fail" in launch.stdout, launch.stdout + launch.stderr
     neutralised = {
         "ddp_train.py": [],
@@ -1786,13 +1859,16 @@ def test_make_check_passes_every_shipped_task(tmp_path, task):
     }
     for said in neutralised[task]:
         assert re.search(rf"^pass +2\. .*{said}", launch.stdout, re.M), launch.stdout
-    name = Path(task).stem  # the runs, in the project's out/ as make train's
+    # The runs are in the project's out/, as make train's runs are.
+    name = Path(task).stem
     assert (repo / "out/check" / name / "records/torchrun/run.out").exists()
-    assert not list((repo / "out/check" / name).rglob("checkpoint*.pt*"))  # (the logs stay)
+    # The checkpoints are gone, but the logs stay.
+    assert not list((repo / "out/check" / name).rglob("checkpoint*.pt*"))
 
 
-# ddp_train.py as users copied it before its restructure into the loop and the machinery. Its copies
-# and its checkpoints must keep working with today's check and today's script.
+# This commit holds ddp_train.py as users copied it before its restructure into the loop and the
+# machinery. Those copies and their checkpoints must keep working with today's check and today's
+# script.
 BEFORE_RESTRUCTURE = "df2e763"
 
 
