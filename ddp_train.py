@@ -134,9 +134,9 @@ def compute_loss(model, batch, args=None):
     when COUNT_UNIT is "tokens", for example (labels != -100).sum().
     The metrics are a dict {name: mean over the same items}. They are logged as train_<name> and
     eval_<name>.
-    The script weighs each mean by its count, so every gradient and every logged figure is the
-    exact mean over all the items of a step. A mean over no items weighs nothing, but its gradient
-    must still be finite, as the gradient of F.cross_entropy is."""
+    The script multiplies each mean by its count, so every gradient and every logged figure is
+    the exact mean over all the items of a step. A mean over no items gets a weight of 0, but its
+    gradient must still be finite, as the gradient of F.cross_entropy is."""
     inputs, targets = batch
     logits = model(inputs).float()
     loss = F.cross_entropy(logits, targets)
@@ -278,11 +278,11 @@ def cleanup_distributed(world):
         return
     # Trap: On torch before 2.8, destroy_process_group() can hang (pytorch#154976). It frees gloo's
     # backend while it holds the GIL, and the backend waits for its threads, which wait for the GIL.
-    # So we hold our own reference to the backend through destroy_process_group(). torch's Python
-    # handle of a backend lets go of the GIL before it frees the backend, so our `del` frees it
-    # without the GIL. A copy that needs torch 2.8 or later may drop the two lines of gloo_backend.
+    # So we keep a reference to the backend, and destroy_process_group() cannot free it. Our `del`
+    # frees it last. torch's Python handle lets go of the GIL before it frees a backend, so gloo's
+    # threads can finish. A copy that needs torch 2.8 or later may drop the lines of gloo_backend.
     gloo_backend = world.cpu_group._get_backend(torch.device("cpu"))
-    world.cpu_group = None  # This drops the last reference, so the group goes with destroy.
+    world.cpu_group = None  # Then only gloo_backend keeps the backend alive.
     dist.destroy_process_group()  # DDP: Leave the process group.
     del gloo_backend
 
@@ -363,12 +363,11 @@ class Progress:
     epoch_totals: ReducedSums = dataclasses.field(default_factory=ReducedSums)
     window_totals: ReducedSums = dataclasses.field(default_factory=ReducedSums)
     # This is the step's count over all ranks, as we expect it before the step. Each micro-batch
-    # weighs its mean by its count divided by this. For samples, it is the global batch, and exact.
-    # A token count comes out of compute_loss after the forward, but the weight must be known
-    # before that micro-batch's backward. So a token run uses the last step's count as a guess,
-    # and train_step rescales the gradients to the real count after the backward. A count that all
-    # ranks added up before each backward would make every micro-batch wait for the GPU and for the
-    # other ranks. None means that no step has made a guess yet.
+    # multiplies its mean loss by its count divided by this. For samples, it is the global batch. A
+    # token count is known only after the forward, but the weight is needed before the backward.
+    # Adding up the real count first would make each micro-batch wait for the GPU and the other
+    # ranks. So a token run guesses the last step's count, and train_step corrects the gradients
+    # after the backward. None means that no step has made a guess yet.
     expected_count: object = None
     # These are the records of the last step, and they wait to be written. The loop adds them after
     # the step, and the step's checkpoint saves them as a part of Progress. After the save, all
@@ -478,7 +477,8 @@ def train(args, world):
             # All ranks save first, so that the grace period after a stop signal goes to the save.
             if save_now:
                 save_checkpoint(args, world, state)
-            # A stop ends the run. Its rerun writes these records, but the last step has no rerun.
+            # A stop before the last step ends the run here, and the rerun writes these records
+            # first. A stop at the last step needs no rerun, so the run ends as usual below.
             if stop.should_stop and step < plan.total_steps:
                 return finish(args, world, state, stop, stopped_early=True)
             evaluate_and_write_records(args, world, state, progress.records)
@@ -560,16 +560,16 @@ def train_step(args, world, state, micro_batches, want_norm):
             # In a token run's first step, the first micro-batch gives the guess of the count.
             if progress.expected_count is None:
                 progress.expected_count = sum_over_ranks(world, count) * state.plan.grad_accum
-            # DDP: DDP averages the gradients over the ranks, so a mean is weighed by its count over
-            # the step's count, times the world size. With samples, this is 1 / --grad-accum.
+            # DDP: DDP averages the gradients over the ranks, so each mean is multiplied by its
+            # count over the step's count, times the world size. For samples, it is 1/--grad-accum.
             # Progress.expected_count says why a token run has to guess the step's count.
             weight = count * world.world_size / progress.expected_count
             state.scaler.scale(loss * weight).backward()
         rank_items += count
     if COUNT_UNIT != "samples":
         # DDP: Now we know the step's real count over all ranks. We rescale every gradient so that
-        # it is weighed by the real count, not by the guess. This holds for fp16's scaled gradients
-        # too, because the scaler later divides them by its scale.
+        # it uses the real count, not the guess. This holds for fp16's scaled gradients too,
+        # because the scaler later divides them by its scale.
         real_count = sum_over_ranks(world, rank_items)
         grads = [p.grad for p in state.raw_model.parameters() if p.grad is not None]
         if grads:
@@ -603,7 +603,7 @@ def evaluate_and_write_records(args, world, state, records):
 def finish(args, world, state, stop, stopped_early):
     """Return the exit code. It is 75 where a stop signal ended the run before its last step, after
     its checkpoint was saved. Otherwise rank 0 saves the weights in model.pt, and the code is 0. A
-    rerun of a finished run that has no model.pt also writes the file here, from the checkpoint."""
+    rerun of a finished run that has no model.pt writes it here, from the weights it restored."""
     if stopped_early:
         log(
             f"stopped by a signal at step {state.progress.step}, and the checkpoint is saved. "
@@ -631,7 +631,7 @@ RESERVED_METRICS = {"loss", "samples", "tokens"}
 def unpack_loss(output):
     """Check the result of compute_loss, and return it as (loss, count, metrics).
 
-    A mean over no items is 0/0, which is NaN. It weighs nothing, so it becomes 0, and NaN never
+    A mean over no items is 0/0, which is NaN. It gets a weight of 0, so it becomes 0, and NaN never
     reaches a sum. For a tensor count, torch.where does this on the device, and no step waits for
     the GPU."""
     loss, count, metrics = output, None, None
@@ -1166,7 +1166,7 @@ def make_plan(args, world, train_size, path, checkpoint):
                 f"this run's is {global_batch}: pass the same --batch-size and --grad-accum, "
                 "or another --out-dir"
             )
-        global_batch = checkpoint["global_batch"]  # On another world, the accumulation follows.
+        global_batch = checkpoint["global_batch"]  # A new world keeps it, so grad_accum changes.
     grad_accum, rest = divmod(global_batch, args.batch_size * world.world_size)
     if not grad_accum or rest:
         per_process = global_batch // world.world_size
