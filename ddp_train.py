@@ -27,7 +27,6 @@ import datetime
 import functools
 import gc
 import inspect
-import itertools
 import json
 import math
 import os
@@ -75,10 +74,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # This says what compute_loss counts. It is "samples", or "tokens" for a language model.
 COUNT_UNIT = "samples"
 
-# These are your task's own flags, in addition to the script's flags. Each entry gives the name, the
-# default and the help text. The default sets the type, so write 0.0 for a float, not 0. A default
-# of True or False makes a switch. Then --name turns it on, and --no-name turns it off. Your code
-# reads the value as args.name.
+# These are your task's own flags, in addition to the script's flags in FLAGS (section 10). Each
+# entry gives the name, the default and the help text. The default sets the type, so write 0.0 for a
+# float, not 0. A default of True or False makes a switch. Then --name turns it on, and --no-name
+# turns it off. Your code reads the value as args.name.
 TASK_FLAGS = [
     ("num-samples", 32768, "the default task's training samples"),
     ("eval-samples", 4096, "the default task's evaluation samples (0: none)"),
@@ -288,37 +287,8 @@ def cleanup_distributed(world):
 
 
 # ====== 3. The loop: read this section first ======================================================
-# main(), train() and train_step() are the tutorials' loop, in torch's own names. The flags and the
-# state that the loop keeps come before them.
-
-
-# These are the script's flags. Each entry gives the name, the default and the help text, and the
-# default sets the type. TASK_FLAGS in section 1 adds your task's flags to these.
-FLAGS = [
-    ("epochs", 3, "passes over the training set"),
-    ("max-steps", 0, "train exactly N optimizer steps (0: --epochs)"),
-    ("batch-size", 64, "samples per process and micro-batch (x world x --grad-accum: a step's)"),
-    ("grad-accum", 1, "micro-batches per optimizer step"),
-    ("lr", 1e-3, "peak learning rate (build_optimizer's)"),
-    ("warmup-steps", 0, "linear warmup over N steps, then cosine decay to 0"),
-    ("weight-decay", 0.01, "the default AdamW's, on matrices"),
-    ("clip-grad-norm", 0.0, "clip the global gradient norm to this at every step (0: off)"),
-    ("seed", 0, "seeds the data, the initial weights and the shuffle"),
-    ("out-dir", f"out/{os.path.basename(sys.argv[0]).removesuffix('.py')}", "rank 0 writes here"),
-    ("log-every", 100, "a progress line every N optimizer steps (0: off)"),
-    ("eval-every", 0, "also evaluate every N optimizer steps (0: at each epoch's end only)"),
-    ("save-every", 500, "also checkpoint every N optimizer steps (0: at each epoch's end only)"),
-    ("eval-only", False, "evaluate the out-dir's checkpoint, then exit"),
-    ("amp", "off", "autocast: off, bf16 or fp16 (with loss scaling)"),
-    ("compile", False, "torch.compile the DDP model"),
-    ("workers", 0, "DataLoader workers per process"),
-    ("find-unused-parameters", False, "let parameters sit out some steps (DDP's option, slower)"),
-    ("sync-bn", False, "SyncBatchNorm: BatchNorm statistics over the global batch"),
-    ("timeout", 1800.0, "seconds to wait for a peer before failing"),
-    ("spawn", 0, "start N local processes, as torchrun --standalone would"),
-]
-# These flags must be at least 1. The script's other numbers must be at least 0.
-POSITIVE_FLAGS = ("epochs", "batch-size", "grad-accum")
+# main(), train() and train_step() are the tutorials' loop, in torch's own names. The state that the
+# loop keeps comes before them.
 
 
 @dataclasses.dataclass
@@ -333,25 +303,43 @@ class Plan:
 
 
 @dataclasses.dataclass
-class ReducedSums:
-    """Sums over all ranks, kept on the host for the records.
+class Sums:
+    """The sums of the loss and the metrics over some items, and the count of those items.
 
-    For the loss and each metric, the sum adds each mean times its count. The count adds up the
-    items. A logged mean is then a sum divided by the count."""
+    Each sum adds a mean multiplied by its count, so a sum divided by the count is an exact mean.
+    This rank's sums stay on the device as tensors, so that no step waits for the GPU. The loss
+    all_reduce adds up the sums of all ranks and reads them to the host, where they are floats."""
 
     sums: dict = dataclasses.field(default_factory=dict)
-    count: float = 0.0
+    count: object = 0  # This is an int, a float, or a tensor where compute_loss counts with one.
 
     def add(self, other):
         for name, value in other.sums.items():
             self.sums[name] = self.sums.get(name, 0.0) + value
         self.count += other.count
 
+    def add_batch(self, loss, count, metrics):
+        """Add one batch's means, each multiplied by its count. The sums add up in float64."""
+        for name, mean in {"loss": loss, **metrics}.items():
+            value = torch.as_tensor(mean, dtype=torch.float64).detach() * count
+            self.sums[name] = self.sums.get(name, 0.0) + value
+        self.count += count
+
     def means(self, prefix):
         """Return {prefix + name: mean}, or {} where no item was counted."""
         if not self.count:
             return {}
         return {f"{prefix}{name}": value / self.count for name, value in self.sums.items()}
+
+    def packed(self, device):
+        """Return the sums and the count in one float64 tensor on the device."""
+        values = [*self.sums.values(), self.count]
+        return torch.stack([on_device(value, device) for value in values])
+
+    def unpacked(self, packed):
+        """Return packed sums as floats on the host. This is the one read of the device."""
+        values = packed.tolist()
+        return Sums(dict(zip(self.sums, values[:-1])), values[-1])
 
 
 @dataclasses.dataclass
@@ -360,8 +348,8 @@ class Progress:
 
     step: int = 0  # This counts the optimizer steps done.
     # These sum the steps of this epoch, and the steps since the last progress record.
-    epoch_totals: ReducedSums = dataclasses.field(default_factory=ReducedSums)
-    window_totals: ReducedSums = dataclasses.field(default_factory=ReducedSums)
+    epoch_totals: Sums = dataclasses.field(default_factory=Sums)
+    window_totals: Sums = dataclasses.field(default_factory=Sums)
     # This is the step's count over all ranks, as we expect it before the step. Each micro-batch
     # multiplies its mean loss by its count divided by this. For samples, it is the global batch. A
     # token count is known only after the forward, but the weight is needed before the backward.
@@ -376,13 +364,6 @@ class Progress:
     # Then the resumed run writes the records before it trains. unwritten_records() leaves out the
     # records that metrics.jsonl already holds, so that each record is written once.
     records: list = dataclasses.field(default_factory=list)
-
-    @classmethod
-    def from_dict(cls, saved):
-        progress = cls(**saved)
-        progress.epoch_totals = ReducedSums(**saved["epoch_totals"])
-        progress.window_totals = ReducedSums(**saved["window_totals"])
-        return progress
 
 
 @dataclasses.dataclass
@@ -403,7 +384,7 @@ class TrainState:
     batch_sampler: "ResumableBatchSampler"
     loader: DataLoader
     eval_loader: DataLoader
-    local_sums: "LocalSums"  # These are this rank's sums since the last loss all_reduce.
+    local_sums: Sums  # These are this rank's sums since the last loss all_reduce.
 
 
 @errors.record  # Under torchrun, this puts a worker's traceback in torchrun's failure summary.
@@ -456,8 +437,8 @@ def train(args, world):
             save_now = periodic_save or step == epoch_end or stop.should_stop
             # All ranks reduce the loss only here, as a reduction at every step waits for the GPU.
             if log_now or eval_now or save_now:
-                reduced = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
-                state.local_sums = LocalSums(world.device, step)  # The sums start again.
+                reduced = all_reduce_losses(world, state, epoch)  # DDP: The loss all_reduce.
+                state.local_sums = Sums()  # The sums start again.
                 progress.epoch_totals.add(reduced)
                 progress.window_totals.add(reduced)
             progress.records = []  # These wait for the save, as Progress.records says.
@@ -467,11 +448,11 @@ def train(args, world):
                 metrics["grad_norm"] = grad_norm.item()
                 metrics |= speed.metrics(step, progress.window_totals.count)
                 progress.records.append({"kind": "progress"} | position | metrics)
-                progress.window_totals = ReducedSums()
+                progress.window_totals = Sums()
             if step == epoch_end:  # An epoch's record evaluates too, so no eval record follows.
                 metrics = epoch_metrics(world, state, epoch, lr, epoch_started)
                 progress.records.append({"kind": "epoch"} | position | metrics)
-                progress.epoch_totals = ReducedSums()
+                progress.epoch_totals = Sums()
             elif eval_now and len(state.eval_loader.dataset):
                 progress.records.append({"kind": "eval"} | position)
             # All ranks save first, so that the grace period after a stop signal goes to the save.
@@ -496,8 +477,8 @@ def setup_training(args, world):
     schedulers = [
         call_task(build_scheduler, args, opt, plan.total_steps, plan) for opt in optimizers
     ]
-    autocast, amp_dtype = make_autocast(args, world.device)
-    scaler = torch.amp.GradScaler(world.device.type, enabled=amp_dtype == torch.float16)
+    autocast = make_autocast(args, world.device)
+    scaler = torch.amp.GradScaler(world.device.type, enabled=args.amp == "fp16")
     checkpointed = {"model": [model], "optimizers": optimizers, "schedulers": schedulers}
     checkpointed["scaler"] = [scaler]
     progress = Progress(expected_count=plan.global_batch if COUNT_UNIT == "samples" else None)
@@ -537,7 +518,7 @@ def setup_training(args, world):
         forward_model=forward_model, checkpointed=checkpointed, optimizers=optimizers,
         schedulers=schedulers, scaler=scaler, autocast=autocast, sampler=sampler,
         batch_sampler=batch_sampler, loader=loader, eval_loader=eval_loader,
-        local_sums=LocalSums(world.device, progress.step),
+        local_sums=Sums(),
     )  # fmt: skip
 
 
@@ -548,15 +529,15 @@ def train_step(args, world, state, micro_batches, want_norm):
     None unless the step clips or logs it."""
     progress = state.progress
     rank_items = 0  # This counts this rank's items in this step, samples or tokens.
-    for i, batch in enumerate(itertools.islice(micro_batches, state.plan.grad_accum)):
-        batch = to_device(batch, world.device)
+    for i in range(state.plan.grad_accum):
+        batch = to_device(next(micro_batches), world.device)
         # DDP: no_sync skips the gradient all-reduce. Only the last micro-batch's backward runs it.
         skip_sync = i < state.plan.grad_accum - 1 and world.world_size > 1
         with state.ddp_model.no_sync() if skip_sync else contextlib.nullcontext():
             with state.autocast:
                 output = call_task(compute_loss, state.forward_model, batch, args)
                 loss, count, metrics = unpack_loss(output)
-            state.local_sums.add(loss, count, metrics)
+            state.local_sums.add_batch(loss, count, metrics)
             # In a token run's first step, the first micro-batch gives the guess of the count.
             if progress.expected_count is None:
                 progress.expected_count = sum_over_ranks(world, count) * state.plan.grad_accum
@@ -657,48 +638,17 @@ def unpack_loss(output):
     return loss, count, metrics
 
 
-class LocalSums:
-    """This rank's sums, as ReducedSums says, kept on the device so that no step waits for the GPU.
-
-    In training, the sums start again after each loss all_reduce. In evaluation, they cover the
-    whole eval set."""
-
-    def __init__(self, device, since_step):
-        self.device = device
-        self.since_step = since_step  # The sums cover the steps after this one.
-        self.sums = {}  # Each name maps to a float64 0-dim tensor.
-        self.count = 0  # This is an int, or a tensor where compute_loss counts with one.
-
-    def add(self, loss, count, metrics):
-        means = {"loss": loss, **metrics}
-        for name, mean in means.items():
-            if name not in self.sums:  # The first micro-batch after a reduction makes the sums.
-                self.sums[name] = torch.zeros((), dtype=torch.float64, device=self.device)
-            self.sums[name] += (mean.detach() if torch.is_tensor(mean) else mean) * count
-        self.count += count
-
-    def packed(self):
-        """Return the sums and the count in one float64 tensor on the device."""
-        return torch.stack([*self.sums.values(), on_device(self.count, self.device)])
-
-    def to_host(self, packed):
-        """Read packed sums to the host, as ReducedSums. This is the one read of the device."""
-        values = packed.tolist()
-        return ReducedSums(dict(zip(self.sums, values[:-1])), values[-1])
-
-
-def all_reduce_losses(world, state):
+def all_reduce_losses(world, state, epoch):
     """All ranks add up their training sums since the last call, and check them. This is the
-    tutorials' loss all_reduce. It returns the sums of all ranks as ReducedSums.
+    tutorials' loss all_reduce. It returns the sums of all ranks, on the host.
 
     It adds with SUM, because gloo does not support AVG on every torch version. A non-finite loss
     or weight stops every rank here, before any record or checkpoint holds it."""
-    local_sums, step = state.local_sums, state.progress.step
-    packed = local_sums.packed()
+    step, plan = state.progress.step, state.plan
+    packed = state.local_sums.packed(world.device)
     if world.world_size > 1:
         dist.all_reduce(packed)  # DDP: Add up every rank's sums.
-    totals = local_sums.to_host(packed)
-    samples = (step - local_sums.since_step) * state.plan.global_batch
+    totals = state.local_sums.unpacked(packed)
     advice = (
         "the run diverged. Nothing non-finite was saved. Lower --lr, or pass --clip-grad-norm 1.0"
     )
@@ -706,9 +656,12 @@ def all_reduce_losses(world, state):
         fail(f"the training loss is {totals.sums['loss']} at step {step}: {advice}", code=1)
     if not torch.stack([p.isfinite().all() for p in state.raw_model.parameters()]).all():
         fail(f"the weights are not finite at step {step} (a non-finite gradient): {advice}", code=1)
+    # The epoch's count so far must be the samples of its steps so far.
+    counted = state.progress.epoch_totals.count + totals.count
+    samples = (step - epoch * plan.steps_per_epoch) * plan.global_batch
     check(
-        COUNT_UNIT != "samples" or totals.count == samples,
-        f"compute_loss counted {totals.count:g} for {samples} samples, but COUNT_UNIT is samples: "
+        COUNT_UNIT != "samples" or counted == samples,
+        f"compute_loss counted {counted:g} for {samples} samples, but COUNT_UNIT is samples: "
         'return the sample count, or set COUNT_UNIT to what it counts ("tokens")',
     )
     return totals
@@ -755,22 +708,22 @@ def evaluate(args, world, model, eval_loader, autocast):
             dist.broadcast(buffer, 0)
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
-    local_sums = LocalSums(world.device, since_step=0)
+    local_sums = Sums()
     for batch in eval_loader:
         with autocast:
             output = call_task(compute_loss, model, to_device(batch, world.device), args)
             loss, count, metrics = unpack_loss(output)
-        local_sums.add(loss, count, metrics)
+        local_sums.add_batch(loss, count, metrics)
     # Trap: Do not call model.train(). A part that the task froze in eval mode must stay so.
     for module, training in modes:
         module.train(training)
-    this_rank = local_sums.to_host(local_sums.packed())
+    this_rank = local_sums.unpacked(local_sums.packed(world.device))
     per_rank = [this_rank]
     # A rank's share may be empty, with no names in its sums. So the ranks gather objects.
     if world.world_size > 1:
         per_rank = [None] * world.world_size
         dist.all_gather_object(per_rank, this_rank, group=world.cpu_group)  # DDP: Gather all sums.
-    totals = ReducedSums()
+    totals = Sums()
     for rank_totals in per_rank:
         totals.add(rank_totals)
     metrics = totals.means("eval_") | {"eval_samples": len(eval_loader.dataset)}
@@ -792,7 +745,7 @@ def evaluate_checkpoint(args, world):
         fail(f"{path} is of another model: {one_line(exc)}")
     eval_loader = make_eval_loader(args, world, eval_set)
     start_workers(eval_loader)
-    autocast, _ = make_autocast(args, world.device)
+    autocast = make_autocast(args, world.device)
     step = checkpoint["progress"]["step"]
     log(f"{PROG}: evaluating {path} (step {step}) on world size {world.world_size}, {world.device}")
     metrics = evaluate(args, world, model, eval_loader, autocast)
@@ -951,7 +904,10 @@ def restore_checkpoint(args, world, checkpointed, path, checkpoint):
     saved_by = len(checkpoint["rng"])
     if saved_by == world.world_size:
         set_rng_state(checkpoint["rng"][world.rank])
-    progress = Progress.from_dict(checkpoint["progress"])
+    # The checkpoint holds Progress and its sums as dicts.
+    progress = Progress(**checkpoint["progress"])
+    progress.epoch_totals = Sums(**progress.epoch_totals)
+    progress.window_totals = Sums(**progress.window_totals)
     log(f"resumed from {path} at step {progress.step}, saved by {saved_by} process(es)")
     changed = [
         f"--{name.replace('_', '-')} {value} (it had {checkpoint['args'][name]})"
@@ -1135,16 +1091,6 @@ def build_task(args, world):
     seed_everything(args.seed)  # This comes first, so a random split agrees across the ranks.
     train_set, eval_set = build_datasets(args)
     eval_set = eval_set or []
-    check_datasets(train_set, eval_set)
-    seed_everything(args.seed)  # This gives the same initial weights on any world size.
-    model = build_model(args).to(world.device)
-    if args.sync_bn:
-        check(world.device.type == "cuda", "--sync-bn needs GPUs (SyncBatchNorm runs on CUDA)")
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return train_set, eval_set, model
-
-
-def check_datasets(train_set, eval_set):
     for name, dataset in ("training", train_set), ("eval", eval_set):
         check(
             hasattr(dataset, "__len__"),
@@ -1152,6 +1098,12 @@ def check_datasets(train_set, eval_set):
             "needs a map-style Dataset (with __len__ and __getitem__), which gives every rank an "
             "exact share and lets a stopped run resume at the very sample it stopped at",
         )
+    seed_everything(args.seed)  # This gives the same initial weights on any world size.
+    model = build_model(args).to(world.device)
+    if args.sync_bn:
+        check(world.device.type == "cuda", "--sync-bn needs GPUs (SyncBatchNorm runs on CUDA)")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return train_set, eval_set, model
 
 
 def make_plan(args, world, train_size, path, checkpoint):
@@ -1226,12 +1178,12 @@ def start_workers(loader):
 
 
 def make_autocast(args, device):
-    """Return --amp's autocast and its dtype. Without --amp, there is no autocast at all, because
-    even a disabled one costs microseconds in every forward."""
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    if amp_dtype is None:
-        return contextlib.nullcontext(), None
-    return torch.autocast(device.type, amp_dtype), amp_dtype
+    """Return --amp's autocast. Without --amp, there is no autocast at all, because even a disabled
+    one costs microseconds in every forward."""
+    if args.amp == "off":
+        return contextlib.nullcontext()
+    amp_dtype = torch.bfloat16 if args.amp == "bf16" else torch.float16
+    return torch.autocast(device.type, amp_dtype)
 
 
 def to_device(batch, device):
@@ -1374,6 +1326,35 @@ def first_host(nodelist):
 # ====== 10. Flags and errors ======================================================================
 # A classic mistake ends in one line that names the fix. The test
 # test_a_classic_mistake_is_one_line_naming_the_fix_and_costs_nothing proves it.
+
+
+# These are the script's flags. Each entry gives the name, the default and the help text, and the
+# default sets the type. TASK_FLAGS in section 1 adds your task's flags to these.
+FLAGS = [
+    ("epochs", 3, "passes over the training set"),
+    ("max-steps", 0, "train exactly N optimizer steps (0: --epochs)"),
+    ("batch-size", 64, "samples per process and micro-batch (x world x --grad-accum: a step's)"),
+    ("grad-accum", 1, "micro-batches per optimizer step"),
+    ("lr", 1e-3, "peak learning rate (build_optimizer's)"),
+    ("warmup-steps", 0, "linear warmup over N steps, then cosine decay to 0"),
+    ("weight-decay", 0.01, "the default AdamW's, on matrices"),
+    ("clip-grad-norm", 0.0, "clip the global gradient norm to this at every step (0: off)"),
+    ("seed", 0, "seeds the data, the initial weights and the shuffle"),
+    ("out-dir", f"out/{PROG.removesuffix('.py')}", "rank 0 writes here"),
+    ("log-every", 100, "a progress line every N optimizer steps (0: off)"),
+    ("eval-every", 0, "also evaluate every N optimizer steps (0: at each epoch's end only)"),
+    ("save-every", 500, "also checkpoint every N optimizer steps (0: at each epoch's end only)"),
+    ("eval-only", False, "evaluate the out-dir's checkpoint, then exit"),
+    ("amp", "off", "autocast: off, bf16 or fp16 (with loss scaling)"),
+    ("compile", False, "torch.compile the DDP model"),
+    ("workers", 0, "DataLoader workers per process"),
+    ("find-unused-parameters", False, "let parameters sit out some steps (DDP's option, slower)"),
+    ("sync-bn", False, "SyncBatchNorm: BatchNorm statistics over the global batch"),
+    ("timeout", 1800.0, "seconds to wait for a peer before failing"),
+    ("spawn", 0, "start N local processes, as torchrun --standalone would"),
+]
+# These flags must be at least 1. The script's other numbers must be at least 0.
+POSITIVE_FLAGS = ("epochs", "batch-size", "grad-accum")
 
 
 class OneLineParser(argparse.ArgumentParser):

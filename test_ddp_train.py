@@ -1160,14 +1160,12 @@ def test_make_help_lists_every_target_once():
     assert sorted(targets) == sorted(want), text
 
 
-# This guards against regrowth, and it is not a target. After the issue "Nothing lost, nothing
-# flaky", the file had 7,115 code tokens and 1,244 lines. Comments written as plain sentences added
-# lines. The task functions' access to the plan and the flags added 85 tokens and 21 lines. The
-# paragraph that opens each section of the machinery added 35 lines. Plain explanations of the
-# places that cold readers could not understand, and error lines without semicolons, added 12 lines.
-# The docstring's paragraph on how a first read may stop after the loop added 1 line. The longest
-# function fits a screen.
-CEILING = {"tokens": 7200, "lines": 1436, "function lines": 60}
+# This guards against regrowth. After the issue "Nothing lost, nothing flaky", the file had 7,115
+# code tokens and 1,244 lines, and the code tokens may not grow past that. The formatted lines grew,
+# because the comments are plain sentences now and explain the places that cold readers could not
+# follow. Each section of the machinery also opens with a paragraph. The longest function fits a
+# screen.
+CEILING = {"tokens": 7115, "lines": 1417, "function lines": 60}
 
 
 def test_the_script_stays_within_its_budget():
