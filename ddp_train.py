@@ -385,6 +385,7 @@ class TrainState:
     loader: DataLoader
     eval_loader: DataLoader
     local_sums: Sums  # These are this rank's sums since the last loss all_reduce.
+    local_sums_since: int  # The local sums cover the steps after this one.
 
 
 @errors.record  # Under torchrun, this puts a worker's traceback in torchrun's failure summary.
@@ -437,8 +438,8 @@ def train(args, world):
             save_now = periodic_save or step == epoch_end or stop.should_stop
             # All ranks reduce the loss only here, as a reduction at every step waits for the GPU.
             if log_now or eval_now or save_now:
-                reduced = all_reduce_losses(world, state, epoch)  # DDP: The loss all_reduce.
-                state.local_sums = Sums()  # The sums start again.
+                reduced = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
+                state.local_sums, state.local_sums_since = Sums(), step  # The sums start again.
                 progress.epoch_totals.add(reduced)
                 progress.window_totals.add(reduced)
             progress.records = []  # These wait for the save, as Progress.records says.
@@ -518,7 +519,7 @@ def setup_training(args, world):
         forward_model=forward_model, checkpointed=checkpointed, optimizers=optimizers,
         schedulers=schedulers, scaler=scaler, autocast=autocast, sampler=sampler,
         batch_sampler=batch_sampler, loader=loader, eval_loader=eval_loader,
-        local_sums=Sums(),
+        local_sums=Sums(), local_sums_since=progress.step,
     )  # fmt: skip
 
 
@@ -638,13 +639,13 @@ def unpack_loss(output):
     return loss, count, metrics
 
 
-def all_reduce_losses(world, state, epoch):
+def all_reduce_losses(world, state):
     """All ranks add up their training sums since the last call, and check them. This is the
     tutorials' loss all_reduce. It returns the sums of all ranks, on the host.
 
     It adds with SUM, because gloo does not support AVG on every torch version. A non-finite loss
     or weight stops every rank here, before any record or checkpoint holds it."""
-    step, plan = state.progress.step, state.plan
+    step = state.progress.step
     packed = state.local_sums.packed(world.device)
     if world.world_size > 1:
         dist.all_reduce(packed)  # DDP: Add up every rank's sums.
@@ -656,12 +657,10 @@ def all_reduce_losses(world, state, epoch):
         fail(f"the training loss is {totals.sums['loss']} at step {step}: {advice}", code=1)
     if not torch.stack([p.isfinite().all() for p in state.raw_model.parameters()]).all():
         fail(f"the weights are not finite at step {step} (a non-finite gradient): {advice}", code=1)
-    # The epoch's count so far must be the samples of its steps so far.
-    counted = state.progress.epoch_totals.count + totals.count
-    samples = (step - epoch * plan.steps_per_epoch) * plan.global_batch
+    samples = (step - state.local_sums_since) * state.plan.global_batch
     check(
-        COUNT_UNIT != "samples" or counted == samples,
-        f"compute_loss counted {counted:g} for {samples} samples, but COUNT_UNIT is samples: "
+        COUNT_UNIT != "samples" or totals.count == samples,
+        f"compute_loss counted {totals.count:g} for {samples} samples, but COUNT_UNIT is samples: "
         'return the sample count, or set COUNT_UNIT to what it counts ("tokens")',
     )
     return totals
