@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import re
 import resource
@@ -60,9 +61,46 @@ resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_
 # this directory. Its xdist workers, and the make check runs that it starts, inherit the directory
 # through this variable.
 SLOTS_ENV = "DDP_TEST_SLOTS"
-# This is True in an xdist worker and in a make check that a test runs.
-INSIDE_A_SUITE = SLOTS_ENV in os.environ
-ALL_SLOTS = 2 * (os.cpu_count() or 1)  # Each core runs two busy processes at most.
+
+
+def usable_cpus() -> int:
+    """Return the number of CPUs that this process may use. os.cpu_count() counts the host's CPUs.
+    The process may be pinned to fewer of them, and a container's cgroup may give it a quota of
+    CPU time that is worth fewer. The smallest of the three counts."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for quota, period in cgroup_cpu_quotas():
+        cpus = min(cpus, max(1, math.ceil(quota / period)))
+    return cpus or 1
+
+
+def cgroup_cpu_quotas() -> list[tuple[int, int]]:
+    """Return the CPU quotas, as (quota, period) in microseconds, of this process's cgroup and of
+    the cgroups above it. A limit on a parent cgroup holds for its children too. cgroup v2 keeps
+    "quota period" in cpu.max, and cgroup v1 keeps cpu.cfs_quota_us and cpu.cfs_period_us."""
+    quotas = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":  # v2
+                roots, files = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"], ("cpu.max",)
+            elif "cpu" in controllers.split(","):  # v1
+                roots = list(dict.fromkeys(["/sys/fs/cgroup/cpu", f"/sys/fs/cgroup/{controllers}"]))
+                files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+            else:
+                continue
+            for root in roots:
+                cgroup = Path(root + path)
+                for directory in (cgroup, *cgroup.parents):
+                    if not directory.is_relative_to(root):
+                        break
+                    with contextlib.suppress(OSError, ValueError):
+                        text = " ".join((directory / name).read_text() for name in files).split()
+                        if text[0] not in ("max", "-1"):
+                            quotas.append((int(text[0]), int(text[1])))
+    return quotas
+
+
+ALL_SLOTS = 2 * usable_cpus()  # Each usable core runs two busy processes at most.
 # Every launch gets this --timeout. A lost peer then ends the run with the script's own line.
 PEER_TIMEOUT = 60
 
@@ -408,12 +446,12 @@ class Planned:
 
 # They start in this order, two at a time. CHECK_SGD=k trains with plain SGD at k times the check's
 # one rate, in place of the user's optimizer, because an adaptive optimizer trains a summed loss
-# almost like a mean. grad_x2 is check 2's negative control.
+# almost like a mean. Each process of these launches computes the rate and the BatchNorm
+# statistics itself, from the same items, so that all of them get the same ones. grad_x2 is check
+# 2's negative control.
 NEUTRAL_SGD = {"CHECK_SGD": 1, "CHECK_NEUTRAL": 1}
 LAUNCHES = {
-    # This is one process that trains nothing. It finds the one rate of the check's SGD for every
-    # launch.
-    "rate": Planned("python", 2, 1, "rate", dict(CHECK_RATE_PROBE=1)),
+    # Its last evaluation is check 6's evaluation on 1 process.
     "python": Planned("python", 2, 1, "python", dict(CHECK_DESCRIBE=1)),
     "torchrun": Planned("torchrun", 1, 1, "torchrun", dict(CHECK_DESCRIBE=1, CHECK_INITIAL=1)),
     # This launch gets SIGTERM in step 2. Then every rank is in the loop, because step 1's
@@ -423,18 +461,15 @@ LAUNCHES = {
     # Check 2's launches are 1 x 2B, 2 x B, 1 x B x 2 accumulated, and the control at twice the
     # rate. They run the user's loop and loss, with BatchNorm, dropout and the Dataset's draws
     # neutralised.
-    "single": Planned(
-        "python", 2, 1, "single", NEUTRAL_SGD | {"CHECK_DESCRIBE": 1}, after=("rate",)
-    ),
-    "pair": Planned("spawn", 1, 1, "pair", NEUTRAL_SGD, after=("rate",)),
-    "accum": Planned("python", 1, 2, "accum", NEUTRAL_SGD, after=("rate",)),
-    "grad_x2": Planned("python", 2, 1, "grad_x2", NEUTRAL_SGD | {"CHECK_SGD": 2}, after=("rate",)),
-    "eval_1": Planned("python", 2, 1, "python", {}, eval_only=True, after=("python",)),
+    "single": Planned("python", 2, 1, "single", NEUTRAL_SGD | {"CHECK_DESCRIBE": 1}),
+    "pair": Planned("spawn", 1, 1, "pair", NEUTRAL_SGD),
+    "accum": Planned("python", 1, 2, "accum", NEUTRAL_SGD),
+    "grad_x2": Planned("python", 2, 1, "grad_x2", NEUTRAL_SGD | {"CHECK_SGD": 2}),
     # The resumed launch runs the same command as the stopped launch.
     "resumed": Planned("torchrun", 1, 1, "stopped", {}, after=("stopped",)),
     "eval_2": Planned("torchrun", 1, 1, "python", {}, eval_only=True, after=("python",)),
     # One process computes the figures alone. It uses torchrun's first step and python's weights.
-    "probe": Planned("python", 2, 1, "python", {}, after=("python", "torchrun", "rate")),
+    "probe": Planned("python", 2, 1, "python", {}, after=("python", "torchrun")),
 }
 # Each check reads these launches.
 NEEDS = {
@@ -443,7 +478,7 @@ NEEDS = {
     3: ("python", "torchrun", "probe"),
     4: ("python", "torchrun"),
     5: ("python", "torchrun", "stopped", "resumed"),  # python tells whether the data differ.
-    6: ("python", "torchrun", "eval_1", "eval_2"),  # torchrun tells whether the data differ.
+    6: ("python", "torchrun", "eval_2"),  # torchrun tells whether the data differ.
     7: ("probe",),
     8: ("torchrun",),
 }
@@ -517,14 +552,8 @@ class CopyCheck:
         records.mkdir(parents=True)
         env = dict(CHECK_SCRIPT=self.script, CHECK_RECORDS=records, **planned.env)
         env.update(CHECK_TRAIN_ITEMS=self.train_items, CHECK_EVAL_ITEMS=self.eval_items)
-        if "CHECK_SGD" in planned.env:
-            rate = self.lines("rate", "rate.json")
-            if not rate:
-                said = script_said(self.results["rate"])
-                raise RuntimeError(f"the launch that finds the SGD rate failed: {said}")
-            env["CHECK_RATE"] = rate[0]
-        if "CHECK_NEUTRAL" in planned.env:
-            env["CHECK_CALIBRATED"] = self.records("rate") / "calibrated.pt"
+        # The SGD rate and the BatchNorm statistics come from batches of the global batch.
+        env.update(CHECK_GLOBAL_BATCH=self.g)
         if name == "probe":
             (records / "inputs.json").write_text(json.dumps(self.probe_inputs()))
             env["CHECK_PROBE"] = records / "inputs.json"
@@ -537,9 +566,9 @@ class CopyCheck:
 
     def run_launches(self, names: set):
         """Run the named launches, each one after the launches whose files it reads. They run two
-        at a time, or one at a time inside the test suite, which runs two tests at a time. A launch
-        that times out, leaves a process behind or cannot start goes into self.failed. A launch
-        cannot start when a launch that it reads has failed."""
+        at a time, and the CPU slots cap the load inside the test suite too. A launch that times
+        out, leaves a process behind or cannot start goes into self.failed. A launch cannot start
+        when a launch that it reads has failed."""
         order = [name for name in LAUNCHES if name in names]
         done = {name: threading.Event() for name in order}
 
@@ -557,7 +586,7 @@ class CopyCheck:
             finally:
                 done[name].set()
 
-        threads, at_a_time = [], 1 if INSIDE_A_SUITE else 2
+        threads, at_a_time = [], 2
         # The launches that it reads come before it in `order`, so they have started already.
         for name in order:
             while sum(t.is_alive() for t in threads) >= at_a_time:
@@ -585,8 +614,11 @@ class CopyCheck:
 
     def batches(self, name, rank, tag="train") -> list[list[int]]:
         """Return the batches that a rank of a launch trained or evaluated, in order. Each batch is
-        a list of indices."""
+        a list of indices. For the eval tag, they are the batches of the last evaluation."""
         taken = [line.split() for line in self.lines(name, f"reads.{rank}")]
+        if tag == "eval":  # A line "eval" alone starts each evaluation.
+            starts = [i for i, batch in enumerate(taken) if batch == ["eval"]]
+            taken = taken[starts[-1] :] if starts else []
         return [[int(i) for i in batch[1:]] for batch in taken if batch[0] == tag]
 
     def data(self, name, rank) -> dict:
@@ -605,7 +637,6 @@ class CopyCheck:
             "initial": str(self.records("torchrun") / "initial.pt"),
             "first_step": [self.batches("torchrun", rank)[0] for rank in range(2)],
             "final": str(self.work / "python/model.pt"),
-            "calibrated": str(self.records("rate") / "calibrated.pt"),
         }
 
     def eval_set_size(self):
@@ -898,14 +929,18 @@ def check_resume(c: CopyCheck) -> Verdict:
 
 
 def check_eval(c: CopyCheck) -> Verdict:
-    one, two = (json.loads(c.lines(name, "records.jsonl")[-1]) for name in ("eval_1", "eval_2"))
+    # The python launch's last evaluation is of its final weights, which its checkpoint holds.
+    # eval_2 evaluates that checkpoint on 2 processes.
+    evaluations = [json.loads(line) for line in c.lines("python", "records.jsonl")]
+    one = [record for record in evaluations if "eval_loss" in record][-1]
+    two = json.loads(c.lines("eval_2", "records.jsonl")[-1])
     gaps = {name: relative(two[name], value) for name, value in one.items() if "eval_" in name}
     worst = max(gaps, key=gaps.get)
     items = list(range(one["eval_samples"]))
     once = [
         sorted(i for rank in range(world) for b in c.batches(name, rank, "eval") for i in b)
         == items
-        for name, world in (("eval_1", 1), ("eval_2", 2))
+        for name, world in (("python", 1), ("eval_2", 2))
     ]
     figure = (
         f"on 1 and 2 processes eval_loss {one['eval_loss']:.7g} and {two['eval_loss']:.7g}, every "
@@ -999,9 +1034,10 @@ def check_copy(script, args: list[str], work: Path, only=()) -> list[Verdict]:
             verdict = Verdict(n, "FAIL", figure, "a loop the wrapper cannot follow: see run.err")
         print(verdict)
         verdicts.append(verdict)
-    # The checkpoints of a large model take gigabytes. The verdicts are in, so only the logs stay.
-    for path in work.rglob("checkpoint*.pt*"):
-        path.unlink()
+    # The weights of a large model take gigabytes. The verdicts are in, so only the logs stay.
+    for path in work.rglob("*.pt*"):
+        if path.name.endswith((".pt", ".pt.tmp")):
+            path.unlink()
     counts = {
         status: sum(v.status == status for v in verdicts) for status in ("pass", "n/a", "FAIL")
     }
@@ -1226,6 +1262,8 @@ class RecordedLoader(DataLoader):
         return self.recorded(iterator) if self.tag else iterator
 
     def recorded(self, iterator):
+        if self.tag == "eval":  # This line starts an evaluation, and check 6 reads the last one.
+            record(f"reads.{RANK}", "eval")
         for batch in iterator:
             indices = self.batch_sampler.taken.popleft()
             record(f"reads.{RANK}", f"{self.tag} {' '.join(map(str, indices))}")
@@ -1259,6 +1297,24 @@ def install(target):
     task = {name: getattr(target, name) for name in names}  # These are the user's functions.
     training_calls = [0]
     built = {}  # This keeps the user's Datasets as build_datasets gave them.
+    neutral = {}  # This keeps the SGD rate and the BatchNorm statistics of check 2's launches.
+
+    def neutral_settings():
+        """Compute the check's SGD rate and BatchNorm statistics once in this process. They come
+        from the same items at the initial weights in every process, so they are the same. The
+        task code runs as in one plain process, without a rank, so that a model whose initial
+        weights depend on the rank gives every process rank 0's, as DDP does."""
+        if not neutral:
+            states, kept = random_states(), dict(built)
+            launcher = {name: env.pop(name) for name in ("RANK", "LOCAL_RANK") if name in env}
+            try:
+                neutral["rate"] = sgd_rate(target, task, sys.argv[1:])
+                neutral["statistics"] = calibrate_batch_norms(target, task, sys.argv[1:])
+            finally:
+                env.update(launcher)
+                built.update(kept)
+                set_random_states(states)
+        return neutral
 
     def build_datasets(args):
         train_set, eval_set = task["build_datasets"](args)
@@ -1272,7 +1328,7 @@ def install(target):
     def build_model(args):
         model = task["build_model"](args)
         if NEUTRAL and batch_norms(model):
-            freeze_batch_norms(model, torch.load(env["CHECK_CALIBRATED"], weights_only=True))
+            freeze_batch_norms(model, neutral_settings()["statistics"])
         # Rank 0 saves its weights, because DDP sends rank 0's weights to all ranks.
         if "CHECK_INITIAL" in env and RANK == "0":
             torch.save(model.state_dict(), os.path.join(RECORDS, "initial.pt"))
@@ -1302,9 +1358,9 @@ def install(target):
         switch_off_dropout()
     # Plain SGD at the check's rate times CHECK_SGD lets the scale of a gradient show.
     if "CHECK_SGD" in env:
-        rate = float(env["CHECK_RATE"]) * float(env["CHECK_SGD"])
 
         def build_optimizer(args, model):
+            rate = neutral_settings()["rate"] * float(env["CHECK_SGD"])
             return torch.optim.SGD(model.parameters(), lr=rate)
 
         def build_scheduler(args, optimizer, total_steps):
@@ -1483,6 +1539,9 @@ def calibrate_batch_norms(target, task, argv):
     they normalise as well as batch statistics, and every launch gets the same ones."""
     args, train_set, model = initial_task(target, task, argv)
     norms = batch_norms(model)
+    if not norms:
+        return {}
+    batch_size = int(env["CHECK_GLOBAL_BATCH"])
     for module in norms.values():
         module.reset_running_stats()
         module.momentum = None  # None gives a cumulative average over the batches.
@@ -1490,8 +1549,8 @@ def calibrate_batch_norms(target, task, argv):
     restore = switch_off_dropout()
     try:
         with torch.no_grad():
-            for start in range(0, len(train_set), args.batch_size):
-                indices = list(range(start, min(start + args.batch_size, len(train_set))))
+            for start in range(0, len(train_set), batch_size):
+                indices = list(range(start, min(start + batch_size, len(train_set))))
                 batch = target.collate_fn(read_items(train_set.dataset, indices))
                 call_task(task["compute_loss"], model, batch, args)
     finally:
@@ -1607,16 +1666,15 @@ def probe(target, task, argv, inputs):
             per_item = [[i] for i in range(len(eval_set))]
             (found["eval_loss"], _), _ = losses.mean_float64(final, False, eval_set, per_item)
     found["load_error"] = load_error(task["build_model"](args), final)
-    found["neutral"] = neutral_figures(losses, inputs, train_set)
+    statistics = calibrate_batch_norms(target, task, argv)
+    found["neutral"] = neutral_figures(losses, inputs, train_set, statistics)
     return found
 
 
-def neutral_figures(losses, inputs, train_set):
+def neutral_figures(losses, inputs, train_set, statistics):
     """Return what check 2's launches neutralise, and what still differs from process to process
     there. The launches hold BatchNorm at the calibrated statistics, switch dropout off, and read
     each item from its own random state."""
-    path = inputs["calibrated"]
-    statistics = torch.load(path, weights_only=True) if os.path.exists(path) else {}
     neutral = Losses(losses.args, losses.task, losses.collate_fn, statistics)
     initial, micro_batch = inputs["initial"], inputs["first_step"][0]
     model = neutral.model(initial, True)
@@ -1686,7 +1744,8 @@ def sgd_rate(target, task, argv):
     twice as fast as a mean."""
     args, train_set, model = initial_task(target, task, argv)
     model.train()
-    batch = target.collate_fn(read(train_set, list(range(min(len(train_set), args.batch_size)))))
+    items = min(len(train_set), int(env["CHECK_GLOBAL_BATCH"]))
+    batch = target.collate_fn(read(train_set, list(range(items))))
     output = call_task(task["compute_loss"], model, batch, args)
     (output[0] if isinstance(output, tuple) else output).backward()
     weights = torch.cat([p.detach().double().flatten() for p in model.parameters()]).norm()
@@ -1723,10 +1782,6 @@ def load_error(model, path):
 if __name__ == "__main__":
     user, target = load_user_script(env["CHECK_SCRIPT"])
     task = install(target)
-    if "CHECK_RATE_PROBE" in env:
-        record("rate.json", json.dumps(sgd_rate(target, task, sys.argv[1:])))
-        torch.save(calibrate_batch_norms(target, task, sys.argv[1:]), f"{RECORDS}/calibrated.pt")
-        sys.exit(0)
     if "CHECK_PROBE" in env:
         with open(env["CHECK_PROBE"]) as f:
             found = probe(target, task, sys.argv[1:], json.load(f))

@@ -87,6 +87,9 @@ def reference(tmp_path_factory):
         key = hashlib.sha256(repr((cmd, sorted(env.items()))).encode()).hexdigest()[:12]
         with shared(tmp_path_factory, key) as d:
             if not (d / "done").exists():
+                # An attempt that failed left its out-dir. A retry that found it would resume that
+                # attempt's checkpoint or find its finished run, so the retry starts afresh.
+                shutil.rmtree(d / "out", ignore_errors=True)
                 run(cmd, d, env=clean_env(**env))
         return Result(0, (d / "out.out").read_text(), (d / "out.err").read_text(), d / "out")
 

@@ -6,6 +6,7 @@ SLURM cluster and the README's blocks."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import json
 import os
@@ -27,6 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import check_copy
 import ddp_train
 from check_copy import (
     CHECK_TIMEOUT,
@@ -1166,6 +1168,69 @@ def test_make_help_lists_every_target_once():
     assert sorted(targets) == sorted(want), text
 
 
+# ---------------------------------------------------------------------------
+# The harness cannot pass by accident. A reference run that failed is retried afresh, and the CPU
+# slots follow the CPUs that the test processes may use.
+# ---------------------------------------------------------------------------
+
+# The command writes a file into its out-dir, and its first attempt fails. A later attempt prints
+# the files that it found in the out-dir when it started.
+FAILS_FIRST = """
+import os, sys
+flag, out = sys.argv[1], sys.argv[-1]
+found = sorted(os.listdir(out)) if os.path.isdir(out) else []
+os.makedirs(out, exist_ok=True)
+open(os.path.join(out, "left-by-an-attempt"), "w").close()
+if not os.path.exists(flag):
+    open(flag, "w").close()
+    sys.exit(3)
+print("found", found)
+"""
+
+
+def test_a_reference_run_that_failed_is_retried_in_a_clean_out_dir(reference, tmp_path):
+    # A retry in the failed attempt's out-dir would resume its checkpoint or find its finished run.
+    cmd = [PY, "-c", FAILS_FIRST, tmp_path / "tried"]
+    with pytest.raises(AssertionError):
+        reference(cmd)
+    assert reference(cmd).stdout == "found []\n"
+
+
+@contextlib.contextmanager
+def cpu_limit(kind):
+    """Yield a command prefix that runs a command on one CPU, by its affinity, or under a cgroup
+    whose quota is half a CPU. Skip where such a cgroup cannot be made."""
+    if kind == "affinity":
+        yield ["taskset", "--cpu-list", str(min(os.sched_getaffinity(0)))]
+        return
+    v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+    name = f"ddp-test-{os.getpid()}"
+    cgroup, quota = (v1 / name, "cpu.cfs_quota_us") if v1.is_dir() else (v2 / name, "cpu.max")
+    try:
+        cgroup.mkdir()
+        (cgroup / quota).write_text("50000" if quota == "cpu.cfs_quota_us" else "50000 100000")
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            cgroup.rmdir()
+        pytest.skip(f"cannot make a cgroup with a CPU quota here: {exc}")
+    try:
+        yield ["sh", "-c", 'echo $$ > "$0" && exec "$@"', cgroup / "cgroup.procs"]
+    finally:
+        cgroup.rmdir()
+
+
+@pytest.mark.parametrize("kind", ["affinity", "quota"])
+def test_the_cpu_slots_follow_the_cpus_that_the_process_may_use(tmp_path, kind):
+    # Each usable CPU gives two slots. os.cpu_count() counts the host's CPUs, so a process that is
+    # pinned to one CPU, or held to half a CPU by a container's quota, would get too many.
+    if check_copy.usable_cpus() < 2:
+        pytest.skip("this process may use one CPU, so no limit can lower the count")
+    code = "import check_copy; print(check_copy.ALL_SLOTS)"
+    with cpu_limit(kind) as prefix, Launch([*prefix, PY, "-c", code], tmp_path, kind) as launch:
+        assert launch.wait() == 0, launch.stderr
+    assert launch.stdout == "2\n", launch.stdout
+
+
 # This guards against regrowth. After the issue "Nothing lost, nothing flaky", the file had 7,115
 # code tokens and 1,244 lines, and the code tokens may not grow past that. The formatted lines grew,
 # because the comments are plain sentences now and explain the places that cold readers could not
@@ -1863,11 +1928,11 @@ def test_make_check_passes_every_shipped_task(tmp_path, task):
     }
     for said in neutralised[task]:
         assert re.search(rf"^pass +2\. .*{said}", launch.stdout, re.M), launch.stdout
-    # The runs are in the project's out/, as make train's runs are.
-    name = Path(task).stem
-    assert (repo / "out/check" / name / "records/torchrun/run.out").exists()
-    # The checkpoints are gone, but the logs stay.
-    assert not list((repo / "out/check" / name).rglob("checkpoint*.pt*"))
+    # The runs are in the project's out/, as make train's runs are. The logs stay, and every file
+    # of weights is gone, the checkpoints and model.pt files and the check's own weights.
+    work = repo / "out/check" / Path(task).stem
+    assert (work / "records/torchrun/run.out").exists() and (work / "python/metrics.jsonl").exists()
+    assert not [path for path in work.rglob("*") if ".pt" in path.name], list(work.rglob("*"))
 
 
 # This commit holds ddp_train.py as users copied it before its restructure into the loop and the
