@@ -44,7 +44,7 @@ TORCH ?=
 TORCH_VENV = .venv-torch-$(TORCH)
 PIP = -m pip install -q --disable-pip-version-check
 
-.PHONY: help setup train train-cpu train-multinode test check test-gpu test-torch lint bench clean
+.PHONY: help setup train train-cpu train-multinode test test-long check test-gpu test-torch lint bench clean
 
 help:  ## This list shows every target on one line.
 	@awk -F':.*## ' '/^[a-z%-]+:.*## / {sub("%", "N", $$1); printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -88,8 +88,15 @@ train-multinode: setup  ## Each node runs it, as in make train-multinode NODE_RA
 lint: setup  ## It checks that every Python file is as ruff format --line-length 100 writes it.
 	$(PY) -m ruff format --check --line-length 100 .
 
-test: setup  ## It runs the whole test suite in real processes, two tests at a time with pytest-xdist.
-	$(PY) -m pytest -q --durations=15 $$($(PY) -c "import xdist" 2>/dev/null && echo --numprocesses=2) test_ddp_train.py
+# The tests run in real processes, two at a time with pytest-xdist. make test runs one test of each
+# guarantee, and make test-long runs every other test, the two-host and SLURM tests among them. make
+# test-gpu and make test-torch run their own tiers.
+PYTEST = $(PY) -m pytest -q --durations=15 $$($(PY) -c "import xdist" 2>/dev/null && echo --numprocesses=2 --dist=worksteal) test_ddp_train.py
+test: setup  ## It runs one test of each guarantee, in about 10 minutes on 2 cores.
+	$(PYTEST) -m "not (long or multinode or slurm or gpu)"
+
+test-long: setup  ## It runs every other test, the two-host and SLURM tests among them.
+	$(PYTEST) -m "(long or multinode or slurm) and not gpu"
 
 # make check tests the guarantees on your script, SCRIPT, with your flags, ARGS. It runs real processes
 # on the CPU and prints one line for each guarantee. CHECKS=2,3 runs only those checks. check_copy.py runs

@@ -64,8 +64,8 @@ RESUME += ["--log-every", 20, "--batch-size", 16]
 DIGITS = ["--epochs", 2, "--batch-size", 16, "--save-every", 10, "--log-every", 20]
 # These settings shrink tinylm. It then trains on 64 functions and evaluates on 8.
 LM = dict(BASE="tinylm", LM_TRAIN=64, LM_EVAL=8)
-gpu, multinode, slurm, tier = (
-    getattr(pytest.mark, m) for m in ("gpu", "multinode", "slurm", "tier")
+gpu, long, multinode, slurm, tier = (
+    getattr(pytest.mark, m) for m in ("gpu", "long", "multinode", "slurm", "tier")
 )
 
 
@@ -133,9 +133,11 @@ MODES = {
 @pytest.mark.parametrize(
     "mode", [pytest.param(m, marks=[] if "1" in m or "-m" in m else [tier]) for m in MODES]
 )
-def test_every_launch_mode_trains_the_same_run_and_only_rank_0_writes(tmp_path, reference, mode):
+def test_every_launch_mode_trains_the_same_run_and_only_rank_0_writes(reference, mode):
+    # Each mode's run is a reference run, because other tests compare against the runs of python
+    # and torchrun 2.
     cmd, world = MODES[mode]
-    r = run(cmd(*SMALL[:-3], 32 // world, "--log-every", 0), tmp_path)
+    r = reference(cmd(*SMALL[:-3], 32 // world, "--log-every", 0))
     assert f"world size {world}," in r.stdout and r.stdout.count("saved ") == 1, r
     assert [m["world_size"] for m in r.records("epoch")] == [world, world]
     files = ["checkpoint.pt", "checkpoint.prev.pt", "metrics.jsonl", "model.pt"]
@@ -143,16 +145,14 @@ def test_every_launch_mode_trains_the_same_run_and_only_rank_0_writes(tmp_path, 
     # The load is strict, so the weights have no "module." or "_orig_mod." prefix.
     build_model(args_of()).load_state_dict(r.weights)
     # N processes x 32 / N have the same global batch as one process x 32, so they train the same
-    # run.
-    one = reference(python_cmd(*SMALL))
-    assert_same_weights(r.weights, one.weights, exact=world == 1)
+    # run. The python mode's run is that one process's run.
+    if mode != "python":
+        one = reference(python_cmd(*SMALL))
+        assert_same_weights(r.weights, one.weights, exact=world == 1)
     # The same world size, started in any way, trains the same run bit for bit.
-    if world == 2:
-        assert_same_weights(
-            r.weights,
-            reference(MODES["torchrun-2"][0](*SMALL[:-3], 16, "--log-every", 0)).weights,
-            exact=True,
-        )
+    if world == 2 and mode != "torchrun-2":
+        two = reference(MODES["torchrun-2"][0](*SMALL[:-3], 16, "--log-every", 0))
+        assert_same_weights(r.weights, two.weights, exact=True)
 
 
 def test_srun_variables_are_translated_into_torchruns(tmp_path, reference):
@@ -320,6 +320,7 @@ def test_a_step_without_a_single_token_changes_nothing(project, tmp_path):
 
 
 @tier
+@long
 def test_one_sgd_step_of_a_language_model_is_w0_minus_lr_times_the_gradient_of_its_token_mean(
     project, tmp_path
 ):
@@ -382,6 +383,7 @@ def test_evaluation_counts_each_sample_once_on_a_size_the_world_does_not_divide(
     assert last["eval_loss"] != pytest.approx(padded, rel=1e-5)
 
 
+@long
 def test_eval_only_evaluates_the_checkpoint_the_same_on_any_world_size(
     project, tmp_path, reference
 ):
@@ -404,6 +406,7 @@ def test_eval_only_evaluates_the_checkpoint_the_same_on_any_world_size(
         assert (out / "metrics.jsonl").read_text() == (done.out_dir / "metrics.jsonl").read_text()
 
 
+@long
 def test_training_metrics_are_exact_means_and_report_gets_the_model_after_the_steps_save(
     project, tmp_path
 ):
@@ -459,7 +462,7 @@ def test_namedtuple_batches_train_the_same_run(project, tmp_path, reference):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("task", ["samples", "tokens"])
+@pytest.mark.parametrize("task", ["samples", pytest.param("tokens", marks=long)])
 def test_log_every_gives_rank_0_alone_the_exact_mean_since_the_last_line(project, tmp_path, task):
     # With lr 0 the weights stay w0. So the test computes each line's loss by hand, as the mean at
     # w0 over the items of its steps.
@@ -523,7 +526,7 @@ def stopped_and_resumed(cmd, tmp_path, stop, expect, **env):
     return first, again
 
 
-@pytest.mark.parametrize("launch", [pytest.param("torchrun 2", marks=tier), "spawn 2"])
+@pytest.mark.parametrize("launch", [pytest.param("torchrun 2", marks=[tier, long]), "spawn 2"])
 def test_sigterm_to_the_launcher_stops_every_rank_and_the_rerun_ends_bit_identical(
     project, tmp_path, reference, launch
 ):
@@ -539,6 +542,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_the_rerun_ends_bit_identic
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+@long
 def test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_ends_bit_identical(
     project, tmp_path, reference, sig
 ):
@@ -552,6 +556,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_ends_bi
     assert_same_weights(again.weights, whole.weights, exact=True)
 
 
+@long
 def test_a_worker_killed_under_max_restarts_is_restarted_and_the_run_ends_bit_identical(
     project, tmp_path, reference
 ):
@@ -567,7 +572,10 @@ def test_a_worker_killed_under_max_restarts_is_restarted_and_the_run_ends_bit_id
     assert steady(r.metrics) == steady(whole.metrics)
 
 
-@pytest.mark.parametrize("launch", ["python", "torchrun 2", "spawn 2"])
+@pytest.mark.parametrize(
+    "launch",
+    ["python", pytest.param("torchrun 2", marks=long), pytest.param("spawn 2", marks=long)],
+)
 def test_ctrl_c_stops_every_rank_after_one_step_and_the_rerun_ends_bit_identical(
     project, tmp_path, reference, launch
 ):
@@ -590,6 +598,7 @@ def test_ctrl_c_stops_every_rank_after_one_step_and_the_rerun_ends_bit_identical
     assert_same_weights(again.weights, whole.weights, exact=True)
 
 
+@long
 def test_a_stop_saves_before_it_evaluates_and_the_rerun_writes_the_evaluation_first(
     project, tmp_path, reference
 ):
@@ -617,6 +626,7 @@ def test_a_stop_saves_before_it_evaluates_and_the_rerun_writes_the_evaluation_fi
     assert "saved" in last.stdout and steady(last.metrics) == steady(whole.metrics), last
 
 
+@long
 def test_a_crash_between_a_checkpoint_and_its_records_loses_no_record(project, tmp_path, reference):
     # Step 20 saves, and then it logs a progress record and an eval record. Rank 0 dies in report()
     # after the progress record. The rerun resumes from step 20 and writes its eval record first.
@@ -652,6 +662,7 @@ def test_a_closed_standard_output_does_not_stop_the_run(tmp_path, reference):
     assert steady(Result(0, "", "", tmp_path / "out").metrics) == steady(one.metrics)
 
 
+@long
 def test_a_resume_names_every_flag_unlike_its_checkpoints_run(tmp_path, reference):
     shutil.copytree(reference(python_cmd(*SMALL)).out_dir, tmp_path / "out")
     r = run(python_cmd(*SMALL, "--epochs", 3, "--lr", 0.01), tmp_path)
@@ -667,6 +678,7 @@ def test_a_resume_names_every_flag_unlike_its_checkpoints_run(tmp_path, referenc
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@long
 def test_a_dataset_with_random_augmentation_resumes_with_the_same_samples_in_the_same_order(
     project, tmp_path, reference, workers
 ):
@@ -689,6 +701,7 @@ def test_a_dataset_with_random_augmentation_resumes_with_the_same_samples_in_the
 
 
 @tier
+@long
 def test_a_language_model_with_dropout_and_workers_resumes_bit_identical(
     project, tmp_path, reference
 ):
@@ -700,6 +713,7 @@ def test_a_language_model_with_dropout_and_workers_resumes_bit_identical(
     assert_same_weights(again.weights, reference(cmd, **LM).weights, exact=True)
 
 
+@long
 def test_a_users_onecyclelr_gets_every_step_and_resumes_bit_identical(project, tmp_path, reference):
     cmd = user_cmd(project, "python", *RESUME[:-1], 32, "--log-every", 1)
     stop = dict(STOP_AT=50, STOP_SIGNAL="SIGTERM")
@@ -717,6 +731,7 @@ def test_a_users_onecyclelr_gets_every_step_and_resumes_bit_identical(project, t
     assert [m["lr"] for m in again.records("progress")] == pytest.approx(lrs, rel=1e-12)
 
 
+@long
 def test_a_truncated_checkpoint_falls_back_to_the_one_before_or_stops_with_one_line(
     project, tmp_path, reference
 ):
@@ -774,7 +789,7 @@ def test_a_truncated_checkpoint_falls_back_to_the_one_before_or_stops_with_one_l
     assert (out / "checkpoint.pt.tmp").read_bytes() == before
 
 
-@pytest.mark.parametrize("launch", [pytest.param("torchrun 2", marks=tier), "spawn 2"])
+@pytest.mark.parametrize("launch", [pytest.param("torchrun 2", marks=[tier, long]), "spawn 2"])
 def test_no_thread_of_the_process_group_outlives_main(project, tmp_path, launch):
     # A gloo thread can be alive when Python finalizes and take the GIL to free a tensor. Then it
     # aborts the exit with "terminate called without an active exception". So no such thread may
@@ -786,6 +801,7 @@ def test_no_thread_of_the_process_group_outlives_main(project, tmp_path, launch)
     assert left == ["", ""], left
 
 
+@long
 def test_the_ranks_of_a_node_share_the_pages_of_the_checkpoint_they_resume(
     project, tmp_path, reference
 ):
@@ -810,6 +826,7 @@ def test_a_finished_run_rerun_trains_nothing_and_says_so(tmp_path, reference):
     assert (tmp_path / "out/model.pt").stat().st_mtime_ns == before
 
 
+@long
 def test_a_finished_run_without_its_model_file_writes_it_at_the_rerun(project, tmp_path, reference):
     # report() fails at the last record. The checkpoint says that the run finished, and model.pt is
     # missing. The rerun writes model.pt from the checkpoint, with the weights of the whole run.
@@ -824,6 +841,7 @@ def test_a_finished_run_without_its_model_file_writes_it_at_the_rerun(project, t
 
 
 @pytest.mark.parametrize("where", ["loss", "gradient"])
+@long
 def test_a_non_finite_loss_or_gradient_stops_every_rank_with_one_line_and_writes_nothing(
     project, tmp_path, where
 ):
@@ -992,6 +1010,7 @@ if __name__ == "__main__":
 """
 
 
+@long
 def test_the_task_functions_see_the_plan_and_the_flags(tmp_path):
     # The optimizer scales its rate with the global batch, the schedule halves the rate after each
     # epoch, and compute_loss reads a flag of the task. The tutorial's two-parameter forms are
@@ -1006,6 +1025,7 @@ def test_the_task_functions_see_the_plan_and_the_flags(tmp_path):
     assert {record["train_smoothing"] for record in progress} == {0.25}, progress
 
 
+@long
 def test_a_checkpoint_that_only_one_node_sees_is_one_line(tmp_path, reference):
     # The test starts two processes by hand as two nodes without shared storage. Each runs in a
     # directory of its own with a relative --out-dir. Rank 0's directory holds a checkpoint, and
@@ -1042,6 +1062,7 @@ def test_a_checkpoint_that_only_one_node_sees_is_one_line(tmp_path, reference):
 # ---------------------------------------------------------------------------
 
 
+@long
 def test_a_head_that_sits_out_some_steps_trains_with_find_unused_parameters(project, tmp_path):
     cmd = user_cmd(project, "torchrun 2", *SMALL[:-3], 16, "--epochs", 1)
     without = run(cmd, tmp_path, "without", expect=None, env=clean_env(VARIANT="unused"))
@@ -1057,6 +1078,7 @@ def test_bf16_autocast_trains_on_the_cpu_too(tmp_path, reference):
     assert 0 < abs(r.records("epoch")[-1]["eval_loss"] - fp32) < 0.1 * fp32
 
 
+@long
 def test_a_compiled_ddp_model_trains_the_same_run_and_saves_a_plain_state_dict(tmp_path, reference):
     # The test compares a compiled run of torchrun 2 x 16 against one eager process x 32. The
     # compiled model is the DDP model, so DDPOptimizer splits the graph at its buckets.
@@ -1073,6 +1095,7 @@ def test_a_compiled_ddp_model_trains_the_same_run_and_saves_a_plain_state_dict(t
 
 
 @tier
+@long
 def test_make_train_and_train_cpu_run_a_script_of_yours_each_in_its_own_out_dir(tmp_path):
     # The test makes a fresh checkout with its .venv, which runs this Python. digits.py is the
     # user's script.
@@ -1091,6 +1114,7 @@ def test_make_train_and_train_cpu_run_a_script_of_yours_each_in_its_own_out_dir(
 README_BLOCKS = readme_blocks()
 
 
+@long
 def test_every_readme_block_works_as_written(tmp_path):
     # The test works in a fresh checkout and follows the README's order. Each bash line runs and
     # exits 0. A python block whose first line names a file, as "# tb.py: ..." does, is that file,
@@ -1158,6 +1182,7 @@ def test_make_help_lists_every_target_once():
         "train-Ngpu",
         "train-multinode",
         "test",
+        "test-long",
         "check",
         "test-gpu",
         "test-torch",
@@ -1866,7 +1891,13 @@ def make_check(tmp_path, script, args=(), checks=()) -> tuple[int, dict, str]:
     return code, lines, launch.stdout + launch.stderr
 
 
-@pytest.mark.parametrize("copy", BROKEN_COPIES)
+# make test checks three of the broken copies, and the long tier checks the others.
+IN_MAKE_TEST = ("summed-loss", "no-set-epoch", "every-rank-writes")
+
+
+@pytest.mark.parametrize(
+    "copy", [pytest.param(c, marks=[] if c in IN_MAKE_TEST else long) for c in BROKEN_COPIES]
+)
 def test_make_check_names_the_guarantee_a_broken_copy_breaks_and_why(tmp_path, copy):
     fails, body = BROKEN_COPIES[copy]
     script = write_copy(tmp_path / "project", copy, body)
@@ -1881,6 +1912,7 @@ def test_make_check_names_the_guarantee_a_broken_copy_breaks_and_why(tmp_path, c
 
 
 @pytest.mark.parametrize("copy", CORRECT_COPIES)
+@long
 def test_make_check_passes_a_correct_copy_that_differs_by_design(tmp_path, copy):
     checks, body = CORRECT_COPIES[copy]
     script = write_copy(tmp_path / "project", copy, body)
@@ -1909,7 +1941,12 @@ def test_make_check_passes_a_correct_copy_that_differs_by_design(tmp_path, copy)
 
 
 @pytest.mark.parametrize(
-    "task", [pytest.param("ddp_train.py", marks=tier), "examples/digits.py", "examples/tinylm.py"]
+    "task",
+    [
+        pytest.param("ddp_train.py", marks=tier),
+        pytest.param("examples/digits.py", marks=long),
+        pytest.param("examples/tinylm.py", marks=long),
+    ],
 )
 def test_make_check_passes_every_shipped_task(tmp_path, task):
     repo = fresh_checkout(tmp_path / "repo")
@@ -1957,12 +1994,14 @@ def script_before_restructure(directory: Path) -> Path:
     return script
 
 
+@long
 def test_make_check_passes_a_copy_of_the_script_before_its_restructure(tmp_path):
     script = script_before_restructure(tmp_path / "project")
     code, lines, output = make_check(tmp_path, script)
     assert code == 0 and len(lines) == 8 and "8 pass, 0 n/a, 0 fail" in output, output
 
 
+@long
 def test_a_checkpoint_of_the_script_before_its_restructure_resumes_bit_identically(tmp_path):
     old_script = script_before_restructure(tmp_path / "old")
     whole = run(python_cmd(*RESUME, script=old_script), tmp_path, "whole")
