@@ -21,11 +21,10 @@ takes each ratio within a round.
 
     python bench_ddp_train.py               # 6 rounds take about 8 minutes on 2 cores.
     python bench_ddp_train.py --quick       # 1 short round checks that everything runs.
-    python bench_ddp_train.py --size
-        # This counts ddp_train.py's code tokens with Python 3.11's tokenizer.
     python bench_ddp_train.py --against DIR/ddp_train.py
         # This also runs every configuration of the script with another version of it, side by
-        # side. Make that version with git show REV:ddp_train.py > DIR/ddp_train.py.
+        # side. Make that version with git show REV:ddp_train.py > DIR/ddp_train.py. Where that
+        # version's examples/tinylm.py differs, put it in DIR too, as tinylm.py.
     python bench_ddp_train.py --gpu-modes
         # This prints make test-gpu's table, which has a short run in every GPU mode.
     python bench_ddp_train.py --resume-memory [--against DIR/ddp_train.py]
@@ -102,7 +101,7 @@ def hand_written_loop(opts):
     x, y = ddp_train.build_datasets(args)[0].tensors
     torch.manual_seed(0)
     model = ddp_train.build_model(args)
-    optimizer = ddp_train.build_optimizer(args, model)
+    optimizer = ddp_train.build_optimizer(args, model, plan=None)
     for epoch in range(opts.epochs):
         t0, perm = time.perf_counter(), torch.randperm(len(x))
         for xb, yb in zip(x[perm].split(opts.batch_size), y[perm].split(opts.batch_size)):
@@ -166,7 +165,7 @@ def tinylm_loop(opts):
     torch.manual_seed(0)
     train_set, _ = tinylm.build_datasets(args)
     model = tinylm.build_model(args)
-    optimizer = ddp_train.build_optimizer(args, model)
+    optimizer = ddp_train.build_optimizer(args, model, plan=None)
     model = DDP(model) if distributed else model
     sampler = DistributedSampler(train_set) if distributed else None
     loader = DataLoader(
@@ -182,7 +181,8 @@ def tinylm_loop(opts):
         t0, tokens = time.perf_counter(), 0
         for batch in loader:
             # Each rank takes its own token mean.
-            loss, count, _ = tinylm.compute_loss(model, batch)
+            count = tinylm.count_items(batch)
+            loss, _ = tinylm.compute_loss(model, batch, args)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -454,33 +454,6 @@ def resume_memory(opts) -> int:
     return 0
 
 
-def code_tokens(path=HERE / "ddp_train.py") -> dict:
-    """Count the file's code tokens and the lesson's code tokens. Python's tokenize gives the
-    tokens, and the count leaves out comments, strings, newlines, indentation and f-string parts.
-    What remains is what a reader reads as code, whatever the formatting. The lesson's tokens are
-    those above its helpers, which start at the line "4. Helpers"."""
-    import io
-    import tokenize
-
-    source = Path(path).read_text()
-    skip = {tokenize.COMMENT, tokenize.STRING, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT}
-    skip |= {tokenize.DEDENT, tokenize.ENDMARKER}
-    skip |= {
-        getattr(tokenize, n)
-        for n in ("FSTRING_START", "FSTRING_MIDDLE", "FSTRING_END")
-        if hasattr(tokenize, n)
-    }
-    tokens = [
-        t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type not in skip
-    ]
-    divider = next(i for i, line in enumerate(source.splitlines(), 1) if "4. Helpers" in line)
-    return {
-        "total": len(tokens),
-        "lesson": sum(t.start[0] < divider for t in tokens),
-        "lines": source.count("\n"),
-    }
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one short round (4,096 samples, 2 epochs)")
@@ -491,9 +464,6 @@ def main(argv=None):
     p.add_argument("--lm-samples", type=int, default=400, help="examples/tinylm.py's functions")
     p.add_argument(
         "--gpu-modes", action="store_true", help="a short run in every GPU mode, as a table"
-    )
-    p.add_argument(
-        "--size", action="store_true", help="ddp_train.py's size in code tokens and lines"
     )
     p.add_argument("--against", help="another version of ddp_train.py, run beside this one")
     p.add_argument(
@@ -509,12 +479,6 @@ def main(argv=None):
         return gpu_modes(opts)
     if opts.resume_memory:
         return resume_memory(opts)
-    if opts.size:
-        size = code_tokens()
-        print(
-            f"ddp_train.py: {size['total']:,} code tokens ({size['lesson']:,} above the helpers), {size['lines']} lines"
-        )
-        return 0
     if opts.quick:
         opts.rounds, opts.epochs, opts.num_samples, opts.lm_samples = 1, 2, 4096, 256
     return benchmark(opts)

@@ -1293,8 +1293,10 @@ def stop_torchrun():
 
 def install(target):
     """Install the check's pieces around the task functions that the run calls."""
-    names = ("build_datasets", "build_model", "compute_loss", "report")
-    task = {name: getattr(target, name) for name in names}  # These are the user's functions.
+    # These are the user's functions. A copy of today's script counts a batch's items with
+    # count_items(), and an older copy's compute_loss returns the count.
+    names = ("build_datasets", "build_model", "compute_loss", "report", "count_items")
+    task = {name: getattr(target, name) for name in names if hasattr(target, name)}
     training_calls = [0]
     built = {}  # This keeps the user's Datasets as build_datasets gave them.
     neutral = {}  # This keeps the SGD rate and the BatchNorm statistics of check 2's launches.
@@ -1334,7 +1336,8 @@ def install(target):
             torch.save(model.state_dict(), os.path.join(RECORDS, "initial.pt"))
         return model
 
-    def compute_loss(model, batch, args=None):
+    # The wrappers take the arguments of the script's calls, which older copies make with fewer.
+    def compute_loss(model, batch, *args):
         if model.training:
             training_calls[0] += 1
             # Describe the sets once this rank trains. By then the script has seeded each rank and
@@ -1345,7 +1348,7 @@ def install(target):
             first_run = env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
             if RANK == "0" and first_run and training_calls[0] == int(env.get("CHECK_STOP_AT", 0)):
                 stop_torchrun()
-        return call_task(task["compute_loss"], model, batch, args)
+        return call_task(task["compute_loss"], model, batch, *args or [None])
 
     def report(record_, args, model):
         record("records.jsonl", json.dumps(record_))
@@ -1359,15 +1362,24 @@ def install(target):
     # Plain SGD at the check's rate times CHECK_SGD lets the scale of a gradient show.
     if "CHECK_SGD" in env:
 
-        def build_optimizer(args, model):
+        def build_optimizer(args, model, *plan):
             rate = neutral_settings()["rate"] * float(env["CHECK_SGD"])
             return torch.optim.SGD(model.parameters(), lr=rate)
 
-        def build_scheduler(args, optimizer, total_steps):
+        def build_scheduler(args, optimizer, *plan):
             return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
         target.build_optimizer, target.build_scheduler = build_optimizer, build_scheduler
     return task
+
+
+def loss_and_count(task, model, batch, args):
+    """Return the loss of a batch and the count of its items, from a copy of today's script or an
+    older one."""
+    output = call_task(task["compute_loss"], model, batch, args)
+    if "count_items" in task:
+        return output[0] if isinstance(output, tuple) else output, task["count_items"](batch)
+    return output[0], output[1]
 
 
 def call_task(function, *arguments):
@@ -1590,7 +1602,7 @@ class Losses:
             batch = self.collate_fn(read(dataset, indices))
             seed_all(seed)
             batch = to_float64(batch) if float64 else batch
-            loss, n = call_task(self.task["compute_loss"], model, batch, self.args)[:2]
+            loss, n = loss_and_count(self.task, model, batch, self.args)
             total += float(loss) * float(n)
             count += float(n)
         return (total / count if count else 0.0), count

@@ -117,9 +117,18 @@ if env.get("BASE"):
         if value in env:
             setattr(base, name, type(getattr(base, name))(env[value]))
 variant, loss_of, calls = env.get("VARIANT", "").split(","), ddp_train.compute_loss, [0]
+count_of = ddp_train.count_items
 
 
-def compute_loss(model, batch):
+def count_items(batch):
+    if "indices" in variant:  # The last part of the batch is the indices.
+        batch = batch[:-1]
+    if isinstance(batch, Encoded):
+        batch = (batch["inputs"], batch["targets"])
+    return 2 * count_of(batch) if "miscount" in variant else count_of(batch)
+
+
+def compute_loss(model, batch, args):
     if model.training:
         calls[0] += 1
         if "indices" in variant:  # the samples this rank trains, in order
@@ -131,9 +140,11 @@ def compute_loss(model, batch):
             os.kill(target, getattr(signal, env["STOP_SIGNAL"]))
         if "busy" in variant and calls[0] == int(env.get("STOP_AT", 0)) and env.get("RANK") == "0":
             time.sleep(5)  # rank 0 computes on while its peer dies
-        if "maps" in variant and calls[0] == 1:  # the files that this rank maps, as it trains
-            with open("/proc/self/maps") as maps, open(f"{env['RECORD']}.{env.get('RANK', 0)}", "w") as f:
+        if "maps" in variant and str(calls[0]) in env["MAPS_AT"].split(","):  # the files it maps
+            with open("/proc/self/maps") as maps, open(f"{env['RECORD']}.{env.get('RANK', 0)}.{calls[0]}", "w") as f:
                 f.write(maps.read())
+        if "slowtrain" in variant:  # each micro-batch takes at least 0.2 s
+            time.sleep(0.2)
         if "waitjoin" in variant and env["WORLD_SIZE"] == "1":
             while not signalled:  # alone in its round: on until a node joins and torchrun stops it
                 time.sleep(0.05)
@@ -141,31 +152,33 @@ def compute_loss(model, batch):
         batch.pop()
     if isinstance(batch, Encoded):
         batch = (batch["inputs"], batch["targets"])
+    if "sloweval" in variant and not model.training and calls[0] == int(env["SLOW_EVAL_AFTER"]):
+        open(f"{env['RECORD']}.evaluating", "a").close()  # each eval batch takes 4 s
+        time.sleep(4)
     if "evalafterstop" in variant and not model.training and stop_agreed:
         open(f"{env['RECORD']}.evaluated-after-the-stop", "a").close()
-    loss, count, *metrics = loss_of(model, batch)
+    output = loss_of(model, batch, args)
+    loss, metrics = output if isinstance(output, tuple) else (output, {})
     nan_now = calls[0] >= int(env.get("NAN_AT", 10**9)) and env.get("RANK", "0") == "1"
     if "nan" in variant and nan_now:
         loss = loss * math.nan
     if "nangrad" in variant and nan_now and model.training:
         loss.register_hook(lambda grad: grad * math.nan)  # a finite loss, a NaN gradient
     if "trainmetric" in variant and model.training:
-        return loss, count, {"twice": 2 * loss}
+        return loss, {"twice": 2 * loss}
     if "reserved" in variant:
-        return loss, count, {"loss": loss}
+        return loss, {"loss": loss}
     if "shape" in variant:
-        return F.cross_entropy(model(batch[0]), batch[1], reduction="none"), count
-    if "miscount" in variant:
-        return loss, 2 * count
-    return (loss, count, *metrics)
+        return F.cross_entropy(model(batch[0]), batch[1], reduction="none")
+    return loss, metrics
 
 
-def build_optimizer(args, model):
+def build_optimizer(args, model, plan):
     return torch.optim.SGD(model.parameters(), lr=args.lr)
 
 
-def build_scheduler(args, optimizer, total_steps):
-    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps)
+def build_scheduler(args, optimizer, plan):
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=plan.total_steps)
 
 
 def report(record, args, model):
@@ -195,14 +208,13 @@ class Encoded(collections.UserDict):
         return Encoded({k: v.to(device, non_blocking=non_blocking) for k, v in self.items()})
 
 
-def train_step_without_syncs(args, world, state, micro_batches, want_norm):
+def train_step_without_syncs(args, world, state, batches, stop, want_norm):
     """nosync: any wait for the GPU in a step that neither logs, evaluates nor saves is an error.
-    Not checked: a token run's first step, and the steps before CHECK_FROM (DDP measures its own
-    first 10 iterations with CUDA events, which waits for them)."""
+    Not checked: the steps before CHECK_FROM (DDP measures its own first 10 iterations with CUDA
+    events, which waits for them)."""
     step = state.progress.step + 1
-    checked = step >= int(env.get("CHECK_FROM", 1)) and state.progress.expected_count is not None
-    torch.cuda.set_sync_debug_mode("error" if checked else "default")
-    result = train_step_of_the_script(args, world, state, micro_batches, want_norm)
+    torch.cuda.set_sync_debug_mode("error" if step >= int(env.get("CHECK_FROM", 1)) else "default")
+    result = train_step_of_the_script(args, world, state, batches, stop, want_norm)
     periodic = [args.log_every, args.save_every, args.eval_every, state.plan.steps_per_epoch]
     if any(every and step % every == 0 for every in periodic) or step == state.plan.total_steps:
         torch.cuda.set_sync_debug_mode("default")
@@ -228,9 +240,13 @@ class Masked(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
-def masked_loss(model, batch):
+def masked_loss(model, batch, args):
     inputs, targets = batch
-    return F.cross_entropy(model(inputs), targets), (targets != -100).sum()
+    return F.cross_entropy(model(inputs), targets)
+
+
+def count_targets(batch):
+    return int((batch[1] != -100).sum())
 
 
 class Indexed(torch.utils.data.Dataset):
@@ -249,26 +265,26 @@ class Indexed(torch.utils.data.Dataset):
 stop_agreed, signalled = False, False
 
 
-def note(agreement, signum, frame):  # (waitjoin: notes a stop signal)
+def on_signal(vote, signum, frame):  # (waitjoin: notes a stop signal)
     global signalled
     signalled = True
-    note_of_the_script(agreement, signum, frame)
+    on_signal_of_the_script(vote, signum, frame)
 
 
-note_of_the_script = ddp_train.StopAgreement.note
+on_signal_of_the_script = ddp_train.StopVote.on_signal
 if "waitjoin" in variant:
-    ddp_train.StopAgreement.note = note
+    ddp_train.StopVote.on_signal = on_signal
 
 
-def collect(agreement):  # (evalafterstop: notes the step at which the ranks agree to stop)
+def finish(vote):  # (evalafterstop: notes the step at which the ranks agree to stop)
     global stop_agreed
-    collect_of_the_script(agreement)
-    stop_agreed = stop_agreed or agreement.should_stop
+    finish_of_the_script(vote)
+    stop_agreed = stop_agreed or vote.should_stop
 
 
-collect_of_the_script = ddp_train.StopAgreement.collect
+finish_of_the_script = ddp_train.StopVote.finish
 if "evalafterstop" in variant:
-    ddp_train.StopAgreement.collect = collect
+    ddp_train.StopVote.finish = finish
 
 
 class Sometimes(nn.Module):
@@ -286,6 +302,19 @@ class Sometimes(nn.Module):
 
 build_datasets, build_model = ddp_train.build_datasets, ddp_train.build_model
 collate_default = ddp_train.collate_fn
+
+
+def save_and_die(obj, f, *args, **kwargs):  # (killsave: killed while it writes its first checkpoint)
+    if isinstance(obj, dict) and "progress" in obj:
+        f.write(b"the start of a checkpoint")
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return torch_save(obj, f, *args, **kwargs)
+
+
+torch_save = torch.save
+if "killsave" in variant:
+    torch.save = save_and_die
 if "sgd" in variant:
     ddp_train.build_optimizer = build_optimizer
 if "onecycle" in variant:
@@ -295,6 +324,7 @@ if "report" in variant:
 if "masked" in variant:
     ddp_train.build_datasets = lambda args: [d and Masked(d) for d in build_datasets(args)]
     ddp_train.collate_fn, ddp_train.COUNT_UNIT, loss_of = torch.utils.data.default_collate, "tokens", masked_loss
+    count_of = count_targets
 if "indices" in variant:
     ddp_train.build_datasets = lambda args: [d and Indexed(d) for d in build_datasets(args)]
 if "wide" in variant:
@@ -318,7 +348,7 @@ if "frozen" in variant:  # the first BatchNorm kept in eval mode (fine-tuning): 
         model[1].eval()
         return model
     ddp_train.build_model = frozen_model
-ddp_train.compute_loss = compute_loss
+ddp_train.compute_loss, ddp_train.count_items = compute_loss, count_items
 
 
 def threads():
@@ -340,12 +370,13 @@ if "threads" in variant:
     ddp_train.init_distributed = init_distributed
 
 if __name__ == "__main__":
-    exit_code = ddp_train.main()
-    if threads_before:  # (threads, in a process of the group) its threads that outlive main()
-        left = sorted(name for tid, name in threads().items() if tid not in threads_before)
-        with open(f"{env['RECORD']}.{env.get('RANK', 0)}", "w") as f:
-            f.write(" ".join(left))
-    sys.exit(exit_code)
+    try:
+        sys.exit(ddp_train.main())
+    finally:
+        if threads_before:  # (threads, in a process of the group) its threads that outlive main()
+            left = sorted(name for tid, name in threads().items() if tid not in threads_before)
+            with open(f"{env['RECORD']}.{env.get('RANK', 0)}", "w") as f:
+                f.write(" ".join(left))
 '''
 
 

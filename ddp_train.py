@@ -11,22 +11,18 @@ these ways:
     srun --ntasks-per-node=8 --gpus-per-node=8 python ddp_train.py     # SLURM, one task per GPU
     python -m torch.distributed.launch --nproc_per_node=2 ddp_train.py  # the legacy launcher
 
-Read it from top to bottom. Section 1 is your task. Edit its flags and functions here, or assign
-your own from a script that imports this file, as examples/digits.py does. Section 2 joins the
-process group and leaves it. Section 3 is the training loop. Sections 4 to 10 hold the machinery
-that the loop calls. Each of them opens with what it guarantees and the test that proves it. A first
-read can trust the loop's calls by their names and stop after section 3. Each line that DDP adds to
-a plain training loop is marked "DDP:". Each classic trap is marked "Trap:", and docs/guarantees.md
-names the test that guards each trap.
+Section 1 is your task. Edit its functions here, or assign your own from a script that imports
+this file, as examples/digits.py does. Section 2 joins the process group, and section 3 is the
+training loop. The later sections hold what the loop calls, and each of them opens with what it
+guarantees. Each line that DDP adds to a plain training loop is marked "DDP:". Each classic trap is
+marked "Trap:", and docs/guarantees.md names the test that guards it.
 """
 
 import argparse
 import contextlib
 import dataclasses
 import datetime
-import functools
 import gc
-import inspect
 import json
 import math
 import os
@@ -43,14 +39,6 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
-
-# Trap: Keep this import, although nothing here uses it. It prevents an abort at exit. The
-# functions of this module have the default argument group=group.WORLD, and Python computes a
-# default once, when it imports the module. DDP imports this module after init_process_group, and
-# then each default holds our process group. cleanup_distributed() could not free the group, and
-# gloo's threads would live until the interpreter exits, where they can abort a run that has saved
-# ("terminate called"). Imported here, before any group exists, each default holds None.
-import torch.distributed.nn.functional  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing import errors
@@ -71,21 +59,17 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 # ====== 1. Your task: replace these ==============================================================
 
-# This says what compute_loss counts. It is "samples", or "tokens" for a language model.
+# This says what count_items() counts. It is "samples", or "tokens" for a language model.
 COUNT_UNIT = "samples"
 
-# These are your task's own flags, in addition to the script's flags in FLAGS (section 10). Each
-# entry gives the name, the default and the help text. The default sets the type, so write 0.0 for a
-# float, not 0. A default of True or False makes a switch. Then --name turns it on, and --no-name
-# turns it off. Your code reads the value as args.name.
-TASK_FLAGS = [
-    ("num-samples", 32768, "the default task's training samples"),
-    ("eval-samples", 4096, "the default task's evaluation samples (0: none)"),
-]
 
-# These replace the defaults of the script's flags for your task, by the flag's name with
-# underscores, for example {"lr": 1.0, "epochs": 14}. The command line still overrides them.
-TASK_DEFAULTS = {}
+def add_task_flags(parser):
+    """Add your task's own flags. Your code reads them as args.num_samples and so on. Here
+    parser.set_defaults(lr=1.0, epochs=14) would give the script's flags your task's defaults, and
+    the command line still overrides them."""
+    parser.add_argument("--num-samples", type=int, default=32768, help="training samples")
+    parser.add_argument("--eval-samples", type=int, default=4096, help="eval samples (0: none)")
+
 
 # The default task has Gaussian inputs. A random linear "teacher" gives each input its label.
 FEATURES = 32
@@ -122,28 +106,6 @@ def build_model(args):
     )
 
 
-def compute_loss(model, batch, args=None):
-    """Return (loss, count) or (loss, count, metrics) for one batch that collate_fn made.
-
-    The batch is already on the device. In training, model is the DDP model, which is compiled
-    with --compile, and its forward must run so that DDP sees it. In evaluation, model is the raw
-    module in eval mode. The args hold the flags, such as a --label-smoothing in TASK_FLAGS.
-    The loss is the MEAN over count items, as F.cross_entropy returns it.
-    The count is an int or a 0-dim tensor. It counts samples, or a language model's real tokens
-    when COUNT_UNIT is "tokens", for example (labels != -100).sum().
-    The metrics are a dict {name: mean over the same items}. They are logged as train_<name> and
-    eval_<name>.
-    The script multiplies each mean by its count, so every gradient and every logged figure is
-    the exact mean over all the items of a step. A mean over no items gets a weight of 0, but its
-    gradient must still be finite, as the gradient of F.cross_entropy is."""
-    inputs, targets = batch
-    logits = model(inputs).float()
-    loss = F.cross_entropy(logits, targets)
-    if model.training:  # Training skips the accuracy, so that it stays fast.
-        return loss, len(targets)
-    return loss, len(targets), {"accuracy": (logits.argmax(dim=1) == targets).float().mean()}
-
-
 def collate_fn(items):
     """Turn what the Dataset gave for a batch into the batch. A list of items goes through
     default_collate, which stacks them, and items of different shapes need a collate_fn that pads,
@@ -151,7 +113,31 @@ def collate_fn(items):
     return items if isinstance(items, tuple) else default_collate(items)
 
 
-def build_optimizer(args, model, plan=None):
+def count_items(batch):
+    """Return how many items a batch holds, as an int. The items are samples, or a language model's
+    real target tokens when COUNT_UNIT is "tokens", as in examples/tinylm.py. The script calls this
+    on the CPU before the batch moves to the device, so that no step waits for the GPU."""
+    inputs, targets = batch
+    return len(targets)
+
+
+def compute_loss(model, batch, args):
+    """Return the loss of one batch, or (loss, metrics).
+
+    The loss is the MEAN over the batch's count_items(batch) items, as F.cross_entropy returns it.
+    The metrics are a dict {name: mean over the same items}, and they are logged as train_<name>
+    and eval_<name>. The batch is already on the device. In training, model is the DDP model, which
+    is compiled with --compile, and its forward must run so that DDP sees it. In evaluation, model
+    is the raw module in eval mode. The args hold the flags, such as a flag of add_task_flags()."""
+    inputs, targets = batch
+    logits = model(inputs).float()
+    loss = F.cross_entropy(logits, targets)
+    if model.training:  # Training skips the accuracy, so that it stays fast.
+        return loss
+    return loss, {"accuracy": (logits.argmax(dim=1) == targets).float().mean()}
+
+
+def build_optimizer(args, model, plan):
     """Return one optimizer, or a list of them.
 
     The plan holds global_batch, steps_per_epoch and total_steps. A resume on another world size
@@ -167,17 +153,17 @@ def build_optimizer(args, model, plan=None):
     return torch.optim.AdamW(groups, lr=args.lr, fused=True)
 
 
-def build_scheduler(args, optimizer, total_steps, plan=None):
+def build_scheduler(args, optimizer, plan):
     """Return a torch LRScheduler, such as OneCycleLR, for one optimizer.
 
-    The script steps it after each optimizer step and saves it in each checkpoint. The default
-    warms up linearly over --warmup-steps and then decays to 0 along a cosine. A schedule in
-    epochs takes plan.steps_per_epoch, as in StepLR(optimizer, step_size=plan.steps_per_epoch)."""
+    The script steps it after each optimizer step, and each checkpoint saves it. The default warms
+    up linearly over --warmup-steps and then decays to 0 along a cosine. A schedule in epochs takes
+    plan.steps_per_epoch, as in StepLR(optimizer, step_size=plan.steps_per_epoch)."""
 
     def factor(step):  # The step argument counts the optimizer steps done before this one.
         if step < args.warmup_steps:
             return (step + 1) / args.warmup_steps
-        decay_steps = max(1, total_steps - args.warmup_steps)
+        decay_steps = max(1, plan.total_steps - args.warmup_steps)
         return (1 + math.cos(math.pi * (step - args.warmup_steps) / decay_steps)) / 2
 
     return LambdaLR(optimizer, factor)
@@ -188,7 +174,7 @@ def report(record, args, model):
 
     If the record's step saves a checkpoint, the checkpoint is written before this call. The run's
     files are in args.out_dir. The model is the raw module, and its state_dict() holds the weights
-    of this step."""
+    of the record's step."""
 
 
 # ====== 2. Joining the process group, and leaving it =============================================
@@ -199,9 +185,10 @@ class World:
     """This process's place in the run."""
 
     rank: int  # The rank goes from 0 to world_size - 1 over all nodes.
+    local_rank: int  # The rank on this node picks its GPU.
     world_size: int
     device: torch.device
-    # Small CPU messages, such as the stop flag, go over this gloo group. On GPUs it is a group
+    # Small CPU messages, such as the stop vote, go over this gloo group. On GPUs it is a group
     # beside the NCCL group, because NCCL moves only GPU tensors, in the GPU's queue of work. On
     # CPUs it is the process group itself. One process has no group.
     cpu_group: object = None
@@ -219,7 +206,7 @@ def init_distributed(timeout_s):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = pick_device(local_rank)
     if world_size == 1:
-        return World(rank, world_size, device)
+        return World(rank, local_rank, world_size, device)
     timeout = datetime.timedelta(seconds=timeout_s)
     # DDP: Join the process group. GPUs use NCCL and CPUs use gloo. The timeout turns a missing
     # peer into an error instead of a hang.
@@ -238,11 +225,10 @@ def init_distributed(timeout_s):
             code=1,
             every_rank=True,
         )
+    cpu_group = dist.group.WORLD
     if backend == "nccl":
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-    else:
-        cpu_group = dist.group.WORLD
-    return World(rank, world_size, device, cpu_group)
+    return World(rank, local_rank, world_size, device, cpu_group)
 
 
 def pick_device(local_rank):
@@ -273,17 +259,8 @@ def cleanup_distributed(world):
     """Leave the process group. This also runs after an error."""
     # Trap: The DDP model must be freed before its process group, or gloo can abort at exit.
     gc.collect()
-    if not dist.is_initialized():
-        return
-    # Trap: On torch before 2.8, destroy_process_group() can hang (pytorch#154976). It frees gloo's
-    # backend while it holds the GIL, and the backend waits for its threads, which wait for the GIL.
-    # So we keep a reference to the backend, and destroy_process_group() cannot free it. Our `del`
-    # frees it last. torch's Python handle lets go of the GIL before it frees a backend, so gloo's
-    # threads can finish. A copy that needs torch 2.8 or later may drop the lines of gloo_backend.
-    gloo_backend = world.cpu_group._get_backend(torch.device("cpu"))
-    world.cpu_group = None  # Then only gloo_backend keeps the backend alive.
-    dist.destroy_process_group()  # DDP: Leave the process group.
-    del gloo_backend
+    if dist.is_initialized():
+        destroy_process_group_gloo_last(world)  # DDP: Leave the process group (section 11).
 
 
 # ====== 3. The loop: read this section first ======================================================
@@ -303,25 +280,16 @@ class Plan:
 
 
 @dataclasses.dataclass
-class Sums:
-    """The sums of the loss and the metrics over some items, and the count of those items.
-
-    Each sum adds a mean multiplied by its count, so a sum divided by the count is an exact mean.
-    This rank's sums stay on the device as tensors, so that no step waits for the GPU. The loss
-    all_reduce adds up the sums of all ranks and reads them to the host, where they are floats."""
+class Totals:
+    """The sums of the loss and the metrics over some steps of all ranks, and the count of their
+    items. Each sum adds up means multiplied by their counts, so a sum over the count is an exact
+    mean."""
 
     sums: dict = dataclasses.field(default_factory=dict)
-    count: object = 0  # This is an int, a float, or a tensor where compute_loss counts with one.
+    count: int = 0
 
-    def add(self, other):
-        for name, value in other.sums.items():
-            self.sums[name] = self.sums.get(name, 0.0) + value
-        self.count += other.count
-
-    def add_batch(self, loss, count, metrics):
-        """Add one batch's means, each multiplied by its count. The sums add up in float64."""
-        for name, mean in {"loss": loss, **metrics}.items():
-            value = torch.as_tensor(mean, dtype=torch.float64).detach() * count
+    def add(self, sums, count):
+        for name, value in sums.items():
             self.sums[name] = self.sums.get(name, 0.0) + value
         self.count += count
 
@@ -331,51 +299,30 @@ class Sums:
             return {}
         return {f"{prefix}{name}": value / self.count for name, value in self.sums.items()}
 
-    def packed(self, device):
-        """Return the sums and the count in one float64 tensor on the device."""
-        values = [*self.sums.values(), self.count]
-        return torch.stack([on_device(value, device) for value in values])
-
-    def unpacked(self, packed):
-        """Return packed sums as floats on the host. This is the one read of the device."""
-        values = packed.tolist()
-        return Sums(dict(zip(self.sums, values[:-1])), values[-1])
-
 
 @dataclasses.dataclass
-class Progress:
-    """The run's position, and the sums that its next records report. Every checkpoint saves it."""
+class SavedProgress:
+    """The run's position, and the totals that its next records report. Every checkpoint saves it,
+    and a resume restores it."""
 
     step: int = 0  # This counts the optimizer steps done.
-    # These sum the steps of this epoch, and the steps since the last progress record.
-    epoch_totals: Sums = dataclasses.field(default_factory=Sums)
-    window_totals: Sums = dataclasses.field(default_factory=Sums)
-    # This is the step's count over all ranks, as we expect it before the step. Each micro-batch
-    # multiplies its mean loss by its count divided by this. For samples, it is the global batch. A
-    # token count is known only after the forward, but the weight is needed before the backward.
-    # Adding up the real count first would make each micro-batch wait for the GPU and the other
-    # ranks. So a token run guesses the last step's count, and train_step corrects the gradients
-    # after the backward. None means that no step has made a guess yet.
-    expected_count: object = None
-    # These are the records of the last step, and they wait to be written. The loop adds them after
-    # the step, and the step's checkpoint saves them as a part of Progress. After the save, all
-    # ranks run the evaluation that an eval or epoch record needs, and rank 0 writes the records to
-    # metrics.jsonl. A stop before the last step ends the run after the save, and so can a crash.
-    # Then the resumed run writes the records before it trains. unwritten_records() leaves out the
-    # records that metrics.jsonl already holds, so that each record is written once.
-    records: list = dataclasses.field(default_factory=list)
+    lr: float = 0.0  # This is the last step's learning rate, which an epoch record reports.
+    # These are the totals of this epoch's steps so far, and of the steps since the last progress
+    # record.
+    epoch: Totals = dataclasses.field(default_factory=Totals)
+    window: Totals = dataclasses.field(default_factory=Totals)
 
 
 @dataclasses.dataclass
 class TrainState:
-    """Everything that training holds. setup_training() makes it, in running order."""
+    """Everything that training holds. setup_training() makes it, and then only the loop changes it."""
 
     plan: Plan
-    progress: Progress
+    progress: SavedProgress
     raw_model: nn.Module  # We save and evaluate the raw module, and report() gets it.
     ddp_model: nn.Module  # DDP's wrapper gives no_sync(). A single process has the raw module here.
     forward_model: nn.Module  # compute_loss calls this. It is the DDP model or its compiled form.
-    checkpointed: dict  # A checkpoint saves and restores these stateful parts, by name.
+    stateful_parts: dict  # A checkpoint saves and restores each of these by its name.
     optimizers: list
     schedulers: list
     scaler: torch.amp.GradScaler  # It scales fp16's loss, and it is disabled otherwise.
@@ -384,8 +331,11 @@ class TrainState:
     batch_sampler: "ResumableBatchSampler"
     loader: DataLoader
     eval_loader: DataLoader
-    local_sums: Sums  # These are this rank's sums since the last loss all_reduce.
-    local_sums_since: int  # The local sums cover the steps after this one.
+    # These are this rank's sums since the last loss all_reduce. They stay tensors on the device, so
+    # that no step waits for the GPU. Their count of items, over all ranks, is on the host.
+    local_sums: dict = dataclasses.field(default_factory=dict)
+    local_count: int = 0
+    epoch_started: float = dataclasses.field(default_factory=time.perf_counter)
 
 
 @errors.record  # Under torchrun, this puts a worker's traceback in torchrun's failure summary.
@@ -397,9 +347,7 @@ def main(argv=None):
     try:
         return evaluate_checkpoint(args, world) if args.eval_only else train(args, world)
     except BaseException as exc:
-        # Trap: The frames of a traceback hold the DDP model and the loaders. Clearing them lets
-        # cleanup_distributed() free the model before the process group.
-        traceback.clear_frames(exc.__traceback__)
+        free_frames(exc)  # Trap: section 11 says why.
         raise
     finally:
         cleanup_distributed(world)
@@ -409,154 +357,85 @@ def train(args, world):
     """Train, and return the exit code. All ranks run every line, and only rank 0 writes."""
     state = setup_training(args, world)
     plan, progress = state.plan, state.progress
-    # A stop or a crash can leave the checkpoint's records unwritten, as Progress.records says.
-    evaluate_and_write_records(args, world, state, progress.records)
-    if progress.step >= plan.total_steps and os.path.exists(f"{args.out_dir}/model.pt"):
-        log(  # A finished run without model.pt goes on, and finish() writes the file.
-            f"{args.out_dir} holds a finished run ({progress.step} steps): nothing to train. Raise "
-            "--epochs or --max-steps to train on, or pass another --out-dir"
-        )
-        return 0
+    # A stop or a crash after a save can leave that step's evaluation undone, and it runs now.
+    write_eval_records(args, world, state, written=remove_later_records(args, world, progress.step))
+    if progress.step >= plan.total_steps:
+        return rewrite_model_file(args, world, state)
     log_header(args, world, state)
-    stop = StopAgreement(world)
+    stop = StopVote(world)
     speed = Throughput(progress.step, plan.total_steps)
     for epoch in range(progress.step // plan.steps_per_epoch, plan.epochs):
         epoch_end = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
         state.sampler.set_epoch(epoch)  # Trap: Without it, every epoch repeats the first shuffle.
         # A resumed epoch skips the steps that it has already trained.
         state.batch_sampler.skip_steps = progress.step - epoch * plan.steps_per_epoch
-        epoch_started = time.perf_counter()
-        micro_batches = iter(state.loader)  # Each train_step takes its micro-batches from here.
+        state.epoch_started = time.perf_counter()
+        micro_batches = iter(state.loader)  # Each step takes its --grad-accum batches from here.
         for step in range(progress.step + 1, epoch_end + 1):
-            stop.send()  # All ranks send whether they got a stop signal.
             log_now = args.log_every > 0 and step % args.log_every == 0
-            lr, grad_norm = train_step(args, world, state, micro_batches, want_norm=log_now)
-            progress.step = step
-            stop.collect()  # If any rank got a signal, all ranks stop after this step.
+            batches = [next(micro_batches) for _ in range(plan.grad_accum)]
+            lr, grad_norm = train_step(args, world, state, batches, stop, want_norm=log_now)
+            progress.step, progress.lr = step, lr
+            speed.add(stop.step_count)
+            # After the step come the loss all_reduce, the progress record, model.pt at the last
+            # step, the save, report(), the stop and the evaluation, in this order. The resume
+            # runs whatever a stop or a crash left undone after the save.
             eval_now = args.eval_every > 0 and step % args.eval_every == 0
             periodic_save = args.save_every > 0 and step % args.save_every == 0
-            save_now = periodic_save or step == epoch_end or stop.should_stop
-            # All ranks reduce the loss only here, as a reduction at every step waits for the GPU.
-            if log_now or eval_now or save_now:
-                reduced = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
-                state.local_sums, state.local_sums_since = Sums(), step  # The sums start again.
-                progress.epoch_totals.add(reduced)
-                progress.window_totals.add(reduced)
-            progress.records = []  # These wait for the save, as Progress.records says.
-            position = {"step": step, "epoch": epoch + 1}
+            save_now = periodic_save or eval_now or step == epoch_end or stop.should_stop
+            if log_now or save_now:
+                all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
+            record = None
             if log_now:
-                metrics = progress.window_totals.means("train_") | {"lr": lr}
-                metrics["grad_norm"] = grad_norm.item()
-                metrics |= speed.metrics(step, progress.window_totals.count)
-                progress.records.append({"kind": "progress"} | position | metrics)
-                progress.window_totals = Sums()
-            if step == epoch_end:  # An epoch's record evaluates too, so no eval record follows.
-                metrics = epoch_metrics(world, state, epoch, lr, epoch_started)
-                progress.records.append({"kind": "epoch"} | position | metrics)
-                progress.epoch_totals = Sums()
-            elif eval_now and len(state.eval_loader.dataset):
-                progress.records.append({"kind": "eval"} | position)
-            # All ranks save first, so that the grace period after a stop signal goes to the save.
+                record = {"kind": "progress", "step": step, "epoch": epoch + 1}
+                record |= progress.window.means("train_") | {"lr": lr}
+                record |= {"grad_norm": grad_norm.item()} | speed.metrics(step)
+                write_record(args, world, record, plan.total_steps)
+                progress.window = Totals()
+            if step == plan.total_steps and world.rank == 0:
+                # Trap: Save the raw module. DDP adds "module." to every key, and compile adds
+                # "_orig_mod.". model.pt comes before the final checkpoint, which ends the run.
+                atomic_save(state.raw_model.state_dict(), f"{args.out_dir}/model.pt")
             if save_now:
                 save_checkpoint(args, world, state)
-            # A stop before the last step ends the run here, and the rerun writes these records
-            # first. A stop at the last step needs no rerun, so the run ends as usual below.
+            if record and world.rank == 0:
+                report(record, args, state.raw_model)
             if stop.should_stop and step < plan.total_steps:
-                return finish(args, world, state, stop, stopped_early=True)
-            evaluate_and_write_records(args, world, state, progress.records)
-    return finish(args, world, state, stop, stopped_early=False)
+                stop.restore()
+                log(
+                    f"stopped by a signal at step {step}, and the checkpoint is saved. Rerun the "
+                    "same command to resume (exit 75)"
+                )
+                return 75
+            write_eval_records(args, world, state, written=set())
+    stop.restore()
+    log(f"saved {args.out_dir}/model.pt after {progress.step} steps")
+    return 0
 
 
-def setup_training(args, world):
-    """All ranks build what training needs, in running order, and resume from a checkpoint."""
-    train_set, eval_set, model = build_task(args, world)
-    path, checkpoint = read_checkpoint(args.out_dir)
-    plan = make_plan(args, world, len(train_set), path, checkpoint)
-    optimizers = call_task(build_optimizer, args, model, plan)
-    if not isinstance(optimizers, (list, tuple)):
-        optimizers = [optimizers]  # The task may return one optimizer or a list of them.
-    schedulers = [
-        call_task(build_scheduler, args, opt, plan.total_steps, plan) for opt in optimizers
-    ]
-    autocast = make_autocast(args, world.device)
-    scaler = torch.amp.GradScaler(world.device.type, enabled=args.amp == "fp16")
-    checkpointed = {"model": [model], "optimizers": optimizers, "schedulers": schedulers}
-    checkpointed["scaler"] = [scaler]
-    progress = Progress(expected_count=plan.global_batch if COUNT_UNIT == "samples" else None)
-    # DDP: Each rank gets a random stream of its own, so that dropout differs between the ranks.
-    seed_everything(args.seed + 1 + world.rank)
-    if checkpoint:
-        progress = restore_checkpoint(args, world, checkpointed, path, checkpoint)
-    # The parts now hold what they need, so we drop the file. On GPUs this frees its pages before
-    # the workers start. On the CPU, a restored optimizer keeps the loaded tensors as its state.
-    del checkpoint
-    # DDP: Each rank reads its own share of each epoch's shuffle. drop_last makes the shares equal.
-    sampler = DistributedSampler(
-        train_set, world.world_size, world.rank, seed=args.seed, drop_last=True
-    )
-    batch_sampler = ResumableBatchSampler(sampler, args.batch_size, plan)
-    loader = DataLoader(train_set, batch_sampler=batch_sampler, **loader_options(args, world))
-    eval_loader = make_eval_loader(args, world, eval_set)
-    # Trap: The workers start now, once, before any collective. On Python before 3.12, a fork while
-    # a gloo or NCCL thread frees a finished collective can deadlock the child (CPython #112275).
-    start_workers(loader)
-    start_workers(eval_loader)
-    check_same_start(world, progress.step)
-    ddp_model = model
-    if world.world_size > 1:
-        # DDP: The wrap broadcasts rank 0's weights. Then it averages the gradients in buckets.
-        ddp_model = DDP(
-            model,
-            find_unused_parameters=args.find_unused_parameters,
-            gradient_as_bucket_view=True,
-        )
-    forward_model = torch.compile(ddp_model) if args.compile else ddp_model
-    if world.rank == 0:  # Rank 0 writes only now, after every check, so a mistake writes nothing.
-        os.makedirs(args.out_dir, exist_ok=True)
-    progress.records = unwritten_records(args, world, progress)
-    return TrainState(
-        plan=plan, progress=progress, raw_model=model, ddp_model=ddp_model,
-        forward_model=forward_model, checkpointed=checkpointed, optimizers=optimizers,
-        schedulers=schedulers, scaler=scaler, autocast=autocast, sampler=sampler,
-        batch_sampler=batch_sampler, loader=loader, eval_loader=eval_loader,
-        local_sums=Sums(), local_sums_since=progress.step,
-    )  # fmt: skip
+def train_step(args, world, state, batches, stop, want_norm):
+    """All ranks take one optimizer step over this rank's micro-batches of the step.
 
-
-def train_step(args, world, state, micro_batches, want_norm):
-    """All ranks take one optimizer step over this rank's next --grad-accum micro-batches.
-
-    It returns the step's learning rate and its gradient norm. The norm is a tensor, and it is
-    None unless the step clips or logs it."""
-    progress = state.progress
-    rank_items = 0  # This counts this rank's items in this step, samples or tokens.
-    for i in range(state.plan.grad_accum):
-        batch = to_device(next(micro_batches), world.device)
+    It returns the step's learning rate and its gradient norm. The norm is a tensor, and it is None
+    unless the step clips or logs it."""
+    counts = [count_items(batch) for batch in batches]  # They are counted on the CPU.
+    stop.start(sum(counts))  # DDP: The stop vote also adds up the ranks' counts of this step.
+    for i, (batch, count) in enumerate(zip(batches, counts)):
+        batch = to_device(batch, world.device)
         # DDP: no_sync skips the gradient all-reduce. Only the last micro-batch's backward runs it.
-        skip_sync = i < state.plan.grad_accum - 1 and world.world_size > 1
+        skip_sync = i < len(batches) - 1 and world.world_size > 1
         with state.ddp_model.no_sync() if skip_sync else contextlib.nullcontext():
             with state.autocast:
-                output = call_task(compute_loss, state.forward_model, batch, args)
-                loss, count, metrics = unpack_loss(output)
-            state.local_sums.add_batch(loss, count, metrics)
-            # In a token run's first step, the first micro-batch gives the guess of the count.
-            if progress.expected_count is None:
-                progress.expected_count = sum_over_ranks(world, count) * state.plan.grad_accum
-            # DDP: DDP averages the gradients over the ranks, so each mean is multiplied by its
-            # count over the step's count, times the world size. For samples, it is 1/--grad-accum.
-            # Progress.expected_count says why a token run has to guess the step's count.
-            weight = count * world.world_size / progress.expected_count
+                output = compute_loss(state.forward_model, batch, args)
+            loss, metrics = check_loss_output(output, count)
+            add_means(state.local_sums, {"loss": loss, **metrics}, count)
+            if i == 0:  # The vote ran beside the first forward, and now its count is needed.
+                finish_vote(state, stop)
+            # DDP: DDP averages the gradients over the ranks. So each mean is multiplied by its
+            # count over the step's count, times the world size. Then the gradient is the exact
+            # mean over all the items of the step. fp16's scaler scales a mean, never a sum.
+            weight = count * world.world_size / max(1, stop.step_count)
             state.scaler.scale(loss * weight).backward()
-        rank_items += count
-    if COUNT_UNIT != "samples":
-        # DDP: Now we know the step's real count over all ranks. We rescale every gradient so that
-        # it uses the real count, not the guess. This holds for fp16's scaled gradients too,
-        # because the scaler later divides them by its scale.
-        real_count = sum_over_ranks(world, rank_items)
-        grads = [p.grad for p in state.raw_model.parameters() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, (progress.expected_count / real_count).to(grads[0].dtype))
-        progress.expected_count = real_count  # This is the next step's guess.
     grad_norm = None
     if args.clip_grad_norm or want_norm:
         for optimizer in state.optimizers:
@@ -573,36 +452,10 @@ def train_step(args, world, state, micro_batches, want_norm):
     return lr, grad_norm
 
 
-def evaluate_and_write_records(args, world, state, records):
-    """All ranks run the evaluations that the eval and epoch records need. Then rank 0 writes the
-    records. This comes after the step's checkpoint, so report() may use the saved files."""
-    for record in records:
-        if record["kind"] != "progress" and len(state.eval_loader.dataset):
-            record |= evaluate(args, world, state.raw_model, state.eval_loader, state.autocast)
-        write_record(args, world, record, state.raw_model, state.plan.total_steps)
-
-
-def finish(args, world, state, stop, stopped_early):
-    """Return the exit code. It is 75 where a stop signal ended the run before its last step, after
-    its checkpoint was saved. Otherwise rank 0 saves the weights in model.pt, and the code is 0. A
-    rerun of a finished run that has no model.pt writes it here, from the weights it restored."""
-    if stopped_early:
-        log(
-            f"stopped by a signal at step {state.progress.step}, and the checkpoint is saved. "
-            "Rerun the same command to resume (exit 75)"
-        )
-    else:
-        # Trap: Save the raw module. DDP would add "module." to every key, and compile "_orig_mod.".
-        if world.rank == 0:
-            atomic_save(state.raw_model.state_dict(), f"{args.out_dir}/model.pt")
-        log(f"saved {args.out_dir}/model.pt after {state.progress.step} steps")
-    # The handlers stay until model.pt is written, so a signal before then is only noted.
-    stop.restore()
-    return 75 if stopped_early else 0
-
-
 # ====== 4. Exact means ============================================================================
-# The gradient and the logged figures are exact means over all the items of a step. The test
+# The gradient and the logged figures are exact means over all the items of a step. Each rank
+# counts its items on the CPU before the forward, and the stop vote adds up the counts of all ranks.
+# Each micro-batch's mean is then multiplied by its count over the step's count. The test
 # test_n_processes_x_b_with_accumulation_equal_one_process_x_n_times_b proves it.
 
 
@@ -610,87 +463,74 @@ def finish(args, world, state, stop, stopped_early):
 RESERVED_METRICS = {"loss", "samples", "tokens"}
 
 
-def unpack_loss(output):
-    """Check the result of compute_loss, and return it as (loss, count, metrics).
+def check_loss_output(output, count):
+    """Check what compute_loss returned, and return it as (loss, metrics).
 
-    A mean over no items is 0/0, which is NaN. It gets a weight of 0, so it becomes 0, and NaN never
-    reaches a sum. For a tensor count, torch.where does this on the device, and no step waits for
-    the GPU."""
-    loss, count, metrics = output, None, None
-    if isinstance(output, tuple) and len(output) == 2:
-        loss, count, metrics = *output, {}
-    elif isinstance(output, tuple) and len(output) == 3:
-        loss, count, metrics = output
+    A mean over no items is 0/0, which is NaN. Its weight is 0, and here it becomes 0, so that NaN
+    never reaches a sum or a gradient."""
+    loss, metrics = output if isinstance(output, tuple) and len(output) == 2 else (output, {})
     if not (torch.is_tensor(loss) and loss.ndim == 0 and isinstance(metrics, dict)):
         shape = f", a loss of shape {list(loss.shape)}: its mean" if torch.is_tensor(loss) else ""
         fail(
-            "compute_loss must return (loss, count) or (loss, count, {name: mean}), where "
-            f"loss is a 0-dim mean over count items. It returned {type(output).__name__}{shape}"
+            "compute_loss must return loss or (loss, {name: mean}), where loss is a 0-dim mean over "
+            f"the batch's count_items() items. It returned {type(output).__name__}{shape}"
         )
     taken = RESERVED_METRICS.intersection(metrics)
-    if taken:
-        fail(f"compute_loss's metrics {sorted(taken)} are the script's own names: rename them")
-    if torch.is_tensor(count):
-        loss = torch.where(count > 0, loss, 0.0)
-        metrics = {name: torch.where(count > 0, mean, 0.0) for name, mean in metrics.items()}
-    elif not count:
+    check(
+        not taken, f"compute_loss's metrics {sorted(taken)} are the script's own names: rename them"
+    )
+    if count == 0:
         loss = loss.nan_to_num()
         metrics = {name: torch.as_tensor(mean).nan_to_num() for name, mean in metrics.items()}
-    return loss, count, metrics
+    return loss, metrics
+
+
+def add_means(sums, means, count):
+    """Add each mean multiplied by its count to the sums. They stay tensors on the device."""
+    for name, mean in means.items():
+        value = torch.as_tensor(mean, dtype=torch.float64).detach() * count
+        sums[name] = sums.get(name, 0.0) + value
+
+
+def finish_vote(state, stop):
+    """Wait for the stop vote, which also gives the step's count over all ranks."""
+    stop.finish()
+    state.local_count += stop.step_count
+    check(
+        COUNT_UNIT != "samples" or stop.step_count == state.plan.global_batch,
+        f"count_items counted {stop.step_count} items in a step of {state.plan.global_batch} "
+        'samples, but COUNT_UNIT is samples: count the samples, or set COUNT_UNIT to "tokens"',
+    )
 
 
 def all_reduce_losses(world, state):
-    """All ranks add up their training sums since the last call, and check them. This is the
-    tutorials' loss all_reduce. It returns the sums of all ranks, on the host.
-
-    It adds with SUM, because gloo does not support AVG on every torch version. A non-finite loss
-    or weight stops every rank here, before any record or checkpoint holds it."""
-    step = state.progress.step
-    packed = state.local_sums.packed(world.device)
+    """All ranks add up their sums since the last call, and add them to the totals of the epoch and
+    of the next progress record. This is the tutorials' loss all_reduce. It is the one place where
+    training reads the device, and only the steps that log, evaluate or save reach it. It adds with
+    SUM, because gloo does not support AVG on every torch version. A non-finite loss or weight
+    stops every rank here, before a checkpoint holds it."""
+    packed = torch.stack([value.to(world.device) for value in state.local_sums.values()])
     if world.world_size > 1:
         dist.all_reduce(packed)  # DDP: Add up every rank's sums.
-    totals = state.local_sums.unpacked(packed)
+    sums = dict(zip(state.local_sums, packed.tolist()))
+    state.progress.epoch.add(sums, state.local_count)
+    state.progress.window.add(sums, state.local_count)
+    state.local_sums, state.local_count = {}, 0
+    step = state.progress.step
     advice = (
         "the run diverged. Nothing non-finite was saved. Lower --lr, or pass --clip-grad-norm 1.0"
     )
-    if not math.isfinite(totals.sums["loss"]):
-        fail(f"the training loss is {totals.sums['loss']} at step {step}: {advice}", code=1)
+    if not math.isfinite(sums["loss"]):
+        fail(f"the training loss is {sums['loss']} at step {step}: {advice}", code=1)
     if not torch.stack([p.isfinite().all() for p in state.raw_model.parameters()]).all():
         fail(f"the weights are not finite at step {step} (a non-finite gradient): {advice}", code=1)
-    samples = (step - state.local_sums_since) * state.plan.global_batch
-    check(
-        COUNT_UNIT != "samples" or totals.count == samples,
-        f"compute_loss counted {totals.count:g} for {samples} samples, but COUNT_UNIT is samples: "
-        'return the sample count, or set COUNT_UNIT to what it counts ("tokens")',
-    )
-    return totals
-
-
-def sum_over_ranks(world, count):
-    """Return a count summed over all ranks, as a float64 tensor on the device. It is at least 1,
-    because a step without a single token trains nothing and must not divide by zero."""
-    total = on_device(count, world.device)
-    if world.world_size > 1:
-        dist.all_reduce(total)
-    return total.clamp(min=1)
-
-
-def on_device(number, device):
-    """Return a count or a sum as a float64 tensor on the device.
-
-    Trap: torch.as_tensor(an int, device="cuda") copies from pageable memory, and the step waits
-    for the GPU. A copy from pinned memory is only queued on the stream, and the step goes on."""
-    if torch.is_tensor(number) and number.device == device:
-        return number.to(torch.float64)
-    host = torch.tensor(float(number), dtype=torch.float64)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 # ====== 5. Evaluation and records =================================================================
-# Evaluation counts each eval sample once, on any world size. The test
-# test_evaluation_counts_each_sample_once_on_a_size_the_world_does_not_divide proves it.
+# Evaluation counts each eval sample once, on any world size, as the test
+# test_evaluation_counts_each_sample_once_on_a_size_the_world_does_not_divide proves. Each record is
+# written once, across stops and crashes, as test_a_crash_between_a_checkpoint_and_its_records_
+# loses_no_record proves.
 
 
 @torch.no_grad()
@@ -707,28 +547,67 @@ def evaluate(args, world, model, eval_loader, autocast):
             dist.broadcast(buffer, 0)
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
-    local_sums = Sums()
+    local_sums, count = {}, 0
     for batch in eval_loader:
+        batch_count = count_items(batch)
         with autocast:
-            output = call_task(compute_loss, model, to_device(batch, world.device), args)
-            loss, count, metrics = unpack_loss(output)
-        local_sums.add_batch(loss, count, metrics)
+            output = compute_loss(model, to_device(batch, world.device), args)
+        loss, metrics = check_loss_output(output, batch_count)
+        add_means(local_sums, {"loss": loss, **metrics}, batch_count)
+        count += batch_count
     # Trap: Do not call model.train(). A part that the task froze in eval mode must stay so.
     for module, training in modes:
         module.train(training)
-    this_rank = local_sums.unpacked(local_sums.packed(world.device))
-    per_rank = [this_rank]
-    # A rank's share may be empty, with no names in its sums. So the ranks gather objects.
+    per_rank = [({name: float(value) for name, value in local_sums.items()}, count)]
+    # A rank's share may be empty, with no names in its sums. So the ranks gather plain values.
     if world.world_size > 1:
-        per_rank = [None] * world.world_size
+        this_rank, per_rank = per_rank[0], [None] * world.world_size
         dist.all_gather_object(per_rank, this_rank, group=world.cpu_group)  # DDP: Gather all sums.
-    totals = Sums()
-    for rank_totals in per_rank:
-        totals.add(rank_totals)
+    totals = Totals()
+    for rank_sums, rank_count in per_rank:
+        totals.add(rank_sums, rank_count)
     metrics = totals.means("eval_") | {"eval_samples": len(eval_loader.dataset)}
     if COUNT_UNIT != "samples":
         metrics[f"eval_{COUNT_UNIT}"] = totals.count
     return metrics
+
+
+def write_eval_records(args, world, state, written):
+    """All ranks evaluate for the last step's eval or epoch record, and rank 0 writes it and gives
+    it to report(). `written` holds the kinds of record that metrics.jsonl already has at the step,
+    and these are left out. An epoch record evaluates too, so no eval record comes beside it. The
+    epoch's totals start again after an epoch's last step, but not after a cut by --max-steps, as a
+    later run may raise it."""
+    plan, progress = state.plan, state.progress
+    epoch_end = progress.step % plan.steps_per_epoch == 0 or progress.step == plan.total_steps
+    has_eval_set = len(state.eval_loader.dataset) > 0
+    eval_now = has_eval_set and args.eval_every > 0 and progress.step % args.eval_every == 0
+    kind = "epoch" if epoch_end else "eval"
+    if progress.step > 0 and (epoch_end or eval_now) and kind not in written:
+        record = {"kind": kind, "step": progress.step}
+        record["epoch"] = math.ceil(progress.step / plan.steps_per_epoch)
+        if epoch_end:
+            record |= epoch_metrics(world, state)
+        if has_eval_set:
+            record |= evaluate(args, world, state.raw_model, state.eval_loader, state.autocast)
+        write_record(args, world, record, plan.total_steps)
+        if world.rank == 0:
+            report(record, args, state.raw_model)
+    if progress.step % plan.steps_per_epoch == 0:
+        progress.epoch = Totals()
+
+
+def epoch_metrics(world, state):
+    """Return an epoch record's training metrics: its means, its items, its rate and its seconds."""
+    totals, plan, step = state.progress.epoch, state.plan, state.progress.step
+    steps = step - (math.ceil(step / plan.steps_per_epoch) - 1) * plan.steps_per_epoch
+    return totals.means("train_") | {
+        f"train_{COUNT_UNIT}": totals.count,
+        "lr": state.progress.lr,
+        "train_samples": steps * plan.global_batch,
+        "world_size": world.world_size,
+        "epoch_s": time.perf_counter() - state.epoch_started,
+    }
 
 
 def evaluate_checkpoint(args, world):
@@ -739,52 +618,44 @@ def evaluate_checkpoint(args, world):
     _, eval_set, model = build_task(args, world)
     check(len(eval_set) > 0, "--eval-only: build_datasets gives no eval set")
     try:
-        model.load_state_dict(checkpoint["model"][0])
+        model.load_state_dict(checkpoint["parts"]["model"])
     except RuntimeError as exc:
         fail(f"{path} is of another model: {one_line(exc)}")
     eval_loader = make_eval_loader(args, world, eval_set)
     start_workers(eval_loader)
-    autocast = make_autocast(args, world.device)
     step = checkpoint["progress"]["step"]
     log(f"{PROG}: evaluating {path} (step {step}) on world size {world.world_size}, {world.device}")
-    metrics = evaluate(args, world, model, eval_loader, autocast)
-    record = {"kind": "eval", "step": step} | metrics
-    write_record(args, world, record, model, step, to_file=False)
+    record = {"kind": "eval", "step": step}
+    record |= evaluate(args, world, model, eval_loader, make_autocast(args, world.device))
+    write_record(args, world, record, step, to_file=False)
+    if world.rank == 0:
+        report(record, args, model)
     return 0
 
 
-def epoch_metrics(world, state, epoch, lr, epoch_started):
-    """Return an epoch record's training metrics: its means, its items and its seconds."""
-    totals, plan = state.progress.epoch_totals, state.plan
-    steps = state.progress.step - epoch * plan.steps_per_epoch
-    return {
-        **totals.means("train_"),
-        f"train_{COUNT_UNIT}": totals.count,
-        "lr": lr,
-        "train_samples": steps * plan.global_batch,
-        "world_size": world.world_size,
-        "epoch_s": time.perf_counter() - epoch_started,
-    }
-
-
 class Throughput:
-    """The items trained per second since the last progress record, and the seconds left."""
+    """The items trained per second since the last progress record, and the seconds left. It counts
+    the steps of this process only, so a resume in the middle of a window measures what it trains."""
 
     def __init__(self, first_step, total_steps):
         self.last_step, self.total_steps = first_step, total_steps
-        self.last_time = time.perf_counter()
+        self.last_time, self.items = time.perf_counter(), 0
 
-    def metrics(self, step, items):
-        """Return the speed since the last call, given the items trained since then."""
+    def add(self, count):
+        self.items += count
+
+    def metrics(self, step):
+        """Return the speed since the last call, and start counting again."""
         now = time.perf_counter()
         seconds = now - self.last_time
         eta_s = seconds / (step - self.last_step) * (self.total_steps - step)
-        self.last_step, self.last_time = step, now
-        return {f"{COUNT_UNIT}_per_s": items / seconds, "eta_s": eta_s}
+        speed = {f"{COUNT_UNIT}_per_s": self.items / seconds, "eta_s": eta_s}
+        self.last_step, self.last_time, self.items = step, now, 0
+        return speed
 
 
-def write_record(args, world, record, model, total_steps, to_file=True):
-    """Rank 0 writes a progress, eval or epoch record to the console, metrics.jsonl and report()."""
+def write_record(args, world, record, total_steps, to_file=True):
+    """Rank 0 prints a progress, eval or epoch record and adds it to metrics.jsonl."""
     if world.rank != 0:
         return
     shown = [
@@ -796,7 +667,45 @@ def write_record(args, world, record, model, total_steps, to_file=True):
     if to_file:
         with open(f"{args.out_dir}/metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-    report(record, args, model)
+
+
+def remove_later_records(args, world, step):
+    """Rank 0 removes the records past the checkpoint's step from metrics.jsonl, as TensorBoard's
+    purge_step does, because the run writes them again. Return the kinds of record that the file
+    holds at the step, on every rank, so that the run writes only the ones that it lacks."""
+    path, kinds, kept_lines = f"{args.out_dir}/metrics.jsonl", [], []
+    if world.rank == 0 and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                with contextlib.suppress(ValueError):  # A crash can tear the last line.
+                    record = json.loads(line)
+                    if record["step"] <= step:
+                        # A line that a crash cut just after its record is whole but has no newline.
+                        kept_lines.append(line.rstrip("\n") + "\n")
+                    if record["step"] == step:
+                        kinds.append(record["kind"])
+        with open(f"{path}.tmp", "w") as f:
+            f.writelines(kept_lines)
+        os.replace(f"{path}.tmp", path)
+    if world.world_size > 1:  # All ranks need the kinds, because they all evaluate.
+        shared = [kinds]
+        dist.broadcast_object_list(shared, src=0, group=world.cpu_group)
+        kinds = shared[0]
+    return set(kinds)
+
+
+def rewrite_model_file(args, world, state):
+    """A rerun of a finished run writes model.pt again from the final checkpoint. Then model.pt
+    always holds the weights of the run that the checkpoint finished, even if the same out-dir had
+    an earlier run of fewer steps."""
+    if world.rank == 0:
+        atomic_save(state.raw_model.state_dict(), f"{args.out_dir}/model.pt")
+    log(
+        f"{args.out_dir} holds a finished run ({state.progress.step} steps): nothing to train. "
+        "Raise --epochs or --max-steps to train on, or pass another --out-dir"
+    )
+    log(f"saved {args.out_dir}/model.pt after {state.progress.step} steps")
+    return 0
 
 
 def log_header(args, world, state):
@@ -815,48 +724,15 @@ def log_header(args, world, state):
     )
 
 
-def unwritten_records(args, world, progress):
-    """Return the checkpoint's records that metrics.jsonl does not hold yet, on every rank.
-
-    Rank 0 drops the file's records past the checkpoint's step, which the run writes again. A crash
-    while rank 0 wrote the step's records can leave some of them in the file, and this leaves those
-    out. So each record is in the file once. All ranks take rank 0's list, as they all evaluate."""
-    records = progress.records
-    path = f"{args.out_dir}/metrics.jsonl"
-    if world.rank == 0 and os.path.exists(path):
-        kept_lines = []
-        written_kinds = set()  # These are the kinds of the file's records at the checkpoint's step.
-        with open(path) as f:
-            for line in f:
-                with contextlib.suppress(ValueError):  # A crash can tear the last line.
-                    record = json.loads(line)
-                    if record["step"] <= progress.step:
-                        # A line that a crash cut just after its record is whole but has no newline.
-                        kept_lines.append(line.rstrip("\n") + "\n")
-                    if record["step"] == progress.step:
-                        written_kinds.add(record["kind"])
-        with open(f"{path}.tmp", "w") as f:
-            f.writelines(kept_lines)
-        os.replace(f"{path}.tmp", path)
-        records = [record for record in records if record["kind"] not in written_kinds]
-    if world.world_size > 1:
-        shared = [records]
-        dist.broadcast_object_list(shared, src=0, group=world.cpu_group)
-        records = shared[0]
-    return records
-
-
 # ====== 6. Checkpoints ============================================================================
 # A stopped run resumes bit for bit, and a crash during a save keeps the last good checkpoint. The
 # test test_sigterm_to_the_launcher_stops_every_rank_and_the_rerun_ends_bit_identical proves it.
 
 
-# Format 1 is the format of the checkpoints that ddp_train.py wrote before its redesign.
-CHECKPOINT_FORMAT = 2
+# A checkpoint of another format is of another version of ddp_train.py, and the script refuses it.
+CHECKPOINT_FORMAT = 3
 # A resume does not compare these flags with the checkpoint's, since they may change freely.
 FREE_AT_RESUME = ("out_dir", "eval_only", "spawn", "local_rank", "timeout")
-# A weights_only torch.load reads back values of these types. Other flags are saved as str.
-WEIGHTS_ONLY_TYPES = (int, float, str, bool, type(None))
 
 
 def save_checkpoint(args, world, state):
@@ -866,21 +742,29 @@ def save_checkpoint(args, world, state):
     if world.world_size > 1:
         rng_states = [None] * world.world_size
         dist.all_gather_object(rng_states, rng_state(), group=world.cpu_group)
+    # Trap: On the CPU, a restored optimizer keeps the tensors of the checkpoint that torch.load
+    # mapped. This save renames that file and the next deletes it, and a deleted file that is still
+    # mapped keeps its disk space. So each rank copies them into its own memory at its first save.
+    # Only a tensor that torch.load made has a storage that cannot be resized.
+    for optimizer in state.optimizers:
+        for values in optimizer.state.values():
+            for key, value in values.items():
+                if torch.is_tensor(value) and not value.untyped_storage().resizable():
+                    values[key] = value.clone()
     if world.rank == 0:
-        flags = {}
-        for name, value in vars(args).items():
-            flags[name] = value if type(value) in WEIGHTS_ONLY_TYPES else str(value)
         checkpoint = {
             "format": CHECKPOINT_FORMAT,
-            # Plain values let a weights_only torch.load read the progress back.
+            # Plain values let a weights_only torch.load read the progress and the flags back.
             "progress": dataclasses.asdict(state.progress),
+            "args": {
+                name: value if type(value) in (int, float, str, bool, type(None)) else str(value)
+                for name, value in vars(args).items()
+            },
             "rng": rng_states,
             "global_batch": state.plan.global_batch,
             "world_size": world.world_size,
-            "args": flags,
+            "parts": {name: part.state_dict() for name, part in state.stateful_parts.items()},
         }
-        for name, objects in state.checkpointed.items():
-            checkpoint[name] = [obj.state_dict() for obj in objects]
         stem = f"{args.out_dir}/checkpoint"
         atomic_save(checkpoint, f"{stem}.pt", previous=f"{stem}.prev.pt")
     if world.world_size > 1:
@@ -888,26 +772,31 @@ def save_checkpoint(args, world, state):
         dist.barrier(group=world.cpu_group)
 
 
-def restore_checkpoint(args, world, checkpointed, path, checkpoint):
+def restore_checkpoint(args, world, stateful_parts, path, checkpoint):
     """Load every stateful part from the checkpoint, and this rank's random generators. Return
     the run's progress.
 
     On another world size, the ranks keep the generators that were just seeded, because the
     checkpoint holds the states of other ranks."""
+    saved_parts = checkpoint["parts"]
     try:
-        for name, objects in checkpointed.items():
-            for obj, state in zip(objects, checkpoint[name], strict=True):
-                obj.load_state_dict(state)
+        if saved_parts.keys() != stateful_parts.keys():
+            raise KeyError(
+                f"it holds {sorted(saved_parts)}, and this run has {sorted(stateful_parts)}"
+            )
+        for name, part in stateful_parts.items():
+            part.load_state_dict(saved_parts[name])
     except (RuntimeError, ValueError, KeyError) as exc:
         fail(f"{path} is of another model, optimizer or --amp: {one_line(exc)}. Use the saved ones")
-    saved_by = len(checkpoint["rng"])
-    if saved_by == world.world_size:
+    if len(checkpoint["rng"]) == world.world_size:
         set_rng_state(checkpoint["rng"][world.rank])
-    # The checkpoint holds Progress and its sums as dicts.
-    progress = Progress(**checkpoint["progress"])
-    progress.epoch_totals = Sums(**progress.epoch_totals)
-    progress.window_totals = Sums(**progress.window_totals)
-    log(f"resumed from {path} at step {progress.step}, saved by {saved_by} process(es)")
+    saved = checkpoint["progress"]
+    progress = SavedProgress(
+        saved["step"], saved["lr"], Totals(**saved["epoch"]), Totals(**saved["window"])
+    )
+    log(
+        f"resumed from {path} at step {progress.step}, saved by {len(checkpoint['rng'])} process(es)"
+    )
     changed = [
         f"--{name.replace('_', '-')} {value} (it had {checkpoint['args'][name]})"
         for name, value in vars(args).items()
@@ -951,7 +840,7 @@ def read_checkpoint(out_dir):
             continue
         check(
             checkpoint.get("format") == CHECKPOINT_FORMAT,
-            f"{path} is of an older ddp_train.py (checkpoint format {checkpoint.get('format', 1)}, "
+            f"{path} is of another ddp_train.py (checkpoint format {checkpoint.get('format', 1)}, "
             f"this one reads {CHECKPOINT_FORMAT}): finish its run with the script that wrote it, "
             "or pass another --out-dir",
         )
@@ -1037,34 +926,38 @@ def set_rng_state(state):
 # test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_ends_bit_identical proves it.
 
 
-class StopAgreement:
-    """The stop flag that all ranks agree on. Preemption sends SIGTERM or SIGUSR1.
+class StopVote:
+    """At every step, all ranks vote whether to stop, and the vote adds up the step's count of items.
 
-    Trap: The handler only notes the signal, because a collective inside a handler deadlocks. In
-    each step, every rank sends its note in an asynchronous all-reduce over gloo. The rank sends it
-    at the step's start and reads the result at the step's end, so the step does not wait for it."""
+    Preemption sends SIGTERM or SIGUSR1, and Ctrl-C sends SIGINT. Trap: The handler only notes the
+    signal, because a collective inside a handler deadlocks. start() sends this rank's notes and
+    count in an asynchronous all-reduce over gloo, and finish() waits for the sums. If any rank got
+    a signal, every rank stops after this step."""
 
     def __init__(self, world):
         self.world = world
         self.signals = []  # These are the stop signals that this process got.
-        self.should_stop = False  # True means that some rank got one, and every rank stops now.
-        self.flag, self.reduction = None, None
-        self.previous_handlers = {sig: signal.signal(sig, self.note) for sig in STOP_SIGNALS}
+        self.should_stop = False
+        self.step_count = 0  # This counts the step's items over all ranks.
+        self.votes, self.reduction = None, None
+        self.previous_handlers = {sig: signal.signal(sig, self.on_signal) for sig in STOP_SIGNALS}
 
-    def note(self, signum, frame):
+    def on_signal(self, signum, frame):
         self.signals.append(signum)
 
-    def send(self):
+    def start(self, count):
+        self.votes = torch.tensor([len(self.signals), int(count)], dtype=torch.int64)
         if self.world.world_size > 1:
-            self.flag = torch.tensor(len(self.signals))
-            self.reduction = dist.all_reduce(self.flag, group=self.world.cpu_group, async_op=True)
+            self.reduction = dist.all_reduce(self.votes, group=self.world.cpu_group, async_op=True)
 
-    def collect(self):
+    def finish(self):
         if self.world.world_size > 1:
             self.reduction.wait()
-            self.should_stop = self.flag.item() > 0
+            self.reduction = None  # The finished all-reduce holds the group, which must be freed.
         else:
-            self.should_stop = len(self.signals) > 0
+            self.votes[0] = len(self.signals)  # One process reads its notes as late as it can.
+        signals, self.step_count = self.votes.tolist()
+        self.should_stop = signals > 0
 
     def restore(self):
         for sig, handler in self.previous_handlers.items():
@@ -1080,9 +973,69 @@ def ignore_signals(worker_id):
 
 
 # ====== 8. Setup ==================================================================================
-# These functions build what setup_training() needs. A resume on another world size keeps its
-# global batch, as test_a_node_that_leaves_and_joins_again_resumes_the_run_with_its_global_batch
-# proves.
+# These functions build what the loop needs. A resume on another world size keeps its global batch,
+# as test_a_node_that_leaves_and_joins_again_resumes_the_run_with_its_global_batch proves.
+
+
+def setup_training(args, world):
+    """All ranks build what training needs, in running order, and resume from a checkpoint."""
+    train_set, eval_set, model = build_task(args, world)
+    path, checkpoint = read_checkpoint(args.out_dir)
+    plan = make_plan(args, world, len(train_set), path, checkpoint)
+    optimizers = build_optimizer(args, model, plan)
+    if not isinstance(optimizers, (list, tuple)):
+        optimizers = [optimizers]  # The task may return one optimizer or a list of them.
+    schedulers = [build_scheduler(args, optimizer, plan) for optimizer in optimizers]
+    scaler = torch.amp.GradScaler(world.device.type, enabled=args.amp == "fp16")
+    stateful_parts = {"model": model, "scaler": scaler}
+    for i, (optimizer, scheduler) in enumerate(zip(optimizers, schedulers)):
+        stateful_parts |= {f"optimizer{i}": optimizer, f"scheduler{i}": scheduler}
+    # DDP: Each rank gets a random stream of its own, so that dropout differs between the ranks.
+    seed_everything(args.seed + 1 + world.rank)
+    progress = SavedProgress()
+    if checkpoint:
+        progress = restore_checkpoint(args, world, stateful_parts, path, checkpoint)
+    del checkpoint  # On GPUs, this frees the file's pages before the workers start.
+    # DDP: Each rank reads its own share of each epoch's shuffle. drop_last makes the shares equal.
+    sampler = DistributedSampler(
+        train_set, world.world_size, world.rank, seed=args.seed, drop_last=True
+    )
+    batch_sampler = ResumableBatchSampler(sampler, args.batch_size, plan)
+    loader = DataLoader(train_set, batch_sampler=batch_sampler, **loader_options(args, world))
+    eval_loader = make_eval_loader(args, world, eval_set)
+    # Trap: The workers start now, once, before any collective. On Python before 3.12, a fork while
+    # a gloo or NCCL thread frees a finished collective can deadlock the child (CPython #112275).
+    start_workers(loader)
+    start_workers(eval_loader)
+    check_same_start(world, progress.step)
+    if world.rank == 0 and path and path.endswith(".tmp"):
+        # Trap: Every rank has read the .tmp file that a crash between atomic_save's two renames
+        # left. It takes its place now, because the next save would remove it first.
+        os.replace(path, path.removesuffix(".tmp"))
+    ddp_model = model
+    if world.world_size > 1:
+        # DDP: The wrap broadcasts rank 0's weights. Then it averages the gradients in buckets.
+        ddp_model = DDP(
+            model, find_unused_parameters=args.find_unused_parameters, gradient_as_bucket_view=True
+        )
+    if world.rank == 0:  # Rank 0 writes only now, after every check, so a mistake writes nothing.
+        os.makedirs(args.out_dir, exist_ok=True)
+    return TrainState(
+        plan=plan,
+        progress=progress,
+        raw_model=model,
+        ddp_model=ddp_model,
+        forward_model=torch.compile(ddp_model) if args.compile else ddp_model,
+        stateful_parts=stateful_parts,
+        optimizers=optimizers,
+        schedulers=schedulers,
+        scaler=scaler,
+        autocast=make_autocast(args, world.device),
+        sampler=sampler,
+        batch_sampler=batch_sampler,
+        loader=loader,
+        eval_loader=eval_loader,
+    )
 
 
 def build_task(args, world):
@@ -1204,18 +1157,6 @@ def to_device(batch, device):
     return batch
 
 
-def call_task(function, *arguments):
-    """Call a task function with as many of the arguments as it takes. The task functions of older
-    copies have fewer parameters, and compute_loss(model, batch) still works."""
-    return function(*arguments[: arguments_taken(function)])
-
-
-@functools.cache
-def arguments_taken(function):
-    """The cache keeps inspect's slow reading of a signature out of every step."""
-    return len(inspect.signature(function).parameters)
-
-
 # ====== 9. Launchers: a first read can skip this section ==========================================
 # These functions let one command work under every launcher. The test
 # test_every_launch_mode_trains_the_same_run_and_only_rank_0_writes proves it.
@@ -1327,35 +1268,6 @@ def first_host(nodelist):
 # test_a_classic_mistake_is_one_line_naming_the_fix_and_costs_nothing proves it.
 
 
-# These are the script's flags. Each entry gives the name, the default and the help text, and the
-# default sets the type. TASK_FLAGS in section 1 adds your task's flags to these.
-FLAGS = [
-    ("epochs", 3, "passes over the training set"),
-    ("max-steps", 0, "train exactly N optimizer steps (0: --epochs)"),
-    ("batch-size", 64, "samples per process and micro-batch (x world x --grad-accum: a step's)"),
-    ("grad-accum", 1, "micro-batches per optimizer step"),
-    ("lr", 1e-3, "peak learning rate (build_optimizer's)"),
-    ("warmup-steps", 0, "linear warmup over N steps, then cosine decay to 0"),
-    ("weight-decay", 0.01, "the default AdamW's, on matrices"),
-    ("clip-grad-norm", 0.0, "clip the global gradient norm to this at every step (0: off)"),
-    ("seed", 0, "seeds the data, the initial weights and the shuffle"),
-    ("out-dir", f"out/{PROG.removesuffix('.py')}", "rank 0 writes here"),
-    ("log-every", 100, "a progress line every N optimizer steps (0: off)"),
-    ("eval-every", 0, "also evaluate every N optimizer steps (0: at each epoch's end only)"),
-    ("save-every", 500, "also checkpoint every N optimizer steps (0: at each epoch's end only)"),
-    ("eval-only", False, "evaluate the out-dir's checkpoint, then exit"),
-    ("amp", "off", "autocast: off, bf16 or fp16 (with loss scaling)"),
-    ("compile", False, "torch.compile the DDP model"),
-    ("workers", 0, "DataLoader workers per process"),
-    ("find-unused-parameters", False, "let parameters sit out some steps (DDP's option, slower)"),
-    ("sync-bn", False, "SyncBatchNorm: BatchNorm statistics over the global batch"),
-    ("timeout", 1800.0, "seconds to wait for a peer before failing"),
-    ("spawn", 0, "start N local processes, as torchrun --standalone would"),
-]
-# These flags must be at least 1. The script's other numbers must be at least 0.
-POSITIVE_FLAGS = ("epochs", "batch-size", "grad-accum")
-
-
 class OneLineParser(argparse.ArgumentParser):
     """An argparse parser whose errors are one line and a non-zero exit, not the usage text."""
 
@@ -1364,25 +1276,46 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None):
+    """Return the script's flags and the task's flags. Each flag's default is in --help."""
     parser = OneLineParser(
         allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    for name, default, help_text in FLAGS + TASK_FLAGS:
-        if isinstance(default, bool):  # A switch has --name and --no-name.
-            action = argparse.BooleanOptionalAction
-            parser.add_argument(f"--{name}", action=action, default=default, help=help_text)
-        else:
-            parser.add_argument(f"--{name}", type=type(default), default=default, help=help_text)
-    parser.set_defaults(**TASK_DEFAULTS)
+    flag = parser.add_argument
+    switch = argparse.BooleanOptionalAction  # A switch has --name and --no-name.
+    flag("--epochs", type=int, default=3, help="passes over the training set")
+    flag("--max-steps", type=int, default=0, help="train exactly N optimizer steps (0: --epochs)")
+    flag("--batch-size", type=int, default=64, help="samples per process and micro-batch")
+    flag("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    flag("--lr", type=float, default=1e-3, help="peak learning rate (build_optimizer's)")
+    flag("--warmup-steps", type=int, default=0, help="linear warmup steps, then a cosine to 0")
+    flag("--weight-decay", type=float, default=0.01, help="the default AdamW's, on matrices")
+    flag(
+        "--clip-grad-norm", type=float, default=0.0, help="clip the gradient norm to this (0: off)"
+    )
+    flag("--seed", type=int, default=0, help="seeds the data, the initial weights and the shuffle")
+    flag("--out-dir", default=f"out/{PROG.removesuffix('.py')}", help="rank 0 writes here")
+    flag("--log-every", type=int, default=100, help="a progress line every N steps (0: off)")
+    flag("--eval-every", type=int, default=0, help="also evaluate every N steps (0: at epoch ends)")
+    flag("--save-every", type=int, default=500, help="also save every N steps (0: at epoch ends)")
+    flag("--eval-only", action=switch, default=False, help="evaluate the checkpoint, then exit")
+    flag("--amp", default="off", choices=["off", "bf16", "fp16"], help="autocast (fp16 scales)")
+    flag("--compile", action=switch, default=False, help="torch.compile the DDP model")
+    flag("--workers", type=int, default=0, help="DataLoader workers per process")
+    flag("--find-unused-parameters", action=switch, default=False, help="DDP's option, slower")
+    flag("--sync-bn", action=switch, default=False, help="BatchNorm statistics over all ranks")
+    flag("--timeout", type=float, default=1800.0, help="seconds to wait for a peer before failing")
+    flag("--spawn", type=int, default=0, help="start N local processes, as torchrun would")
     # The legacy launcher passes --local-rank=N, and older torch passes --local_rank=N.
-    parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
+    flag("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
+    add_task_flags(parser)
     args = parser.parse_args(argv)
-    for name, _, _ in FLAGS:
-        value = getattr(args, name.replace("-", "_"))
-        least = 1 if name in POSITIVE_FLAGS else 0
-        if type(value) in (int, float) and value < least:
-            fail(f"--{name} is {value}: it is at least {least}")
-    check(args.amp in ("off", "bf16", "fp16"), f"--amp is off, bf16 or fp16, not {args.amp}")
+    at_least_1 = ("epochs", "batch_size", "grad_accum")
+    at_least_0 = ("max_steps", "lr", "warmup_steps", "weight_decay", "clip_grad_norm", "seed")
+    at_least_0 += ("log_every", "eval_every", "save_every", "workers", "timeout", "spawn")
+    for name in at_least_1 + at_least_0:
+        least = 1 if name in at_least_1 else 0
+        value = getattr(args, name)
+        check(value >= least, f"--{name.replace('_', '-')} is {value}: it is at least {least}")
     return args
 
 
@@ -1410,6 +1343,43 @@ def fail(message, code=2, every_rank=False):
 
 def one_line(exc):
     return " ".join(str(exc).split())[:300]
+
+
+# ====== 11. Workarounds for torch =================================================================
+# Each of these works around a behaviour of some torch versions. Each names the versions and the
+# test that guards it, so that a copy for a newer torch may delete it.
+
+# Trap: Keep this import, although nothing here uses it. It prevents an abort at exit. The
+# functions of this module have the default argument group=group.WORLD, and Python computes a
+# default once, when it imports the module. DDP imports this module after init_process_group, and
+# then each default holds our process group. cleanup_distributed() could not free the group, and
+# gloo's threads would live until the interpreter exits, where they can abort a run that has saved
+# ("terminate called"). Imported here, when this file is imported, before any group exists, each
+# default holds None. test_no_thread_of_the_process_group_outlives_main guards it. Without this
+# import, that test fails on torch 2.13 and 2.15, and it passes on torch 2.4.1.
+import torch.distributed.nn.functional  # noqa: E402, F401
+
+
+def destroy_process_group_gloo_last(world):
+    """Trap: On torch before 2.8, destroy_process_group() can hang (pytorch#154976). It frees gloo's
+    backend while it holds the GIL, and the backend waits for its threads, which wait for the GIL.
+    So we keep a reference to the backend, and destroy_process_group() cannot free it. Our `del`
+    frees it last. torch's Python handle lets go of the GIL before it frees a backend, so gloo's
+    threads can finish. The version tier on torch 2.4.1 guards it, where runs of two processes
+    would hang at exit now and then. On torch 2.8 and later, destroy_process_group() is enough."""
+    gloo_backend = world.cpu_group._get_backend(torch.device("cpu"))
+    world.cpu_group = None  # Then only gloo_backend keeps the backend alive.
+    dist.destroy_process_group()
+    del gloo_backend
+
+
+def free_frames(exc):
+    """Trap: The frames of a traceback hold the DDP model and the loaders. Clearing them lets
+    cleanup_distributed() free the model before the process group, so that an error that leaves the
+    loop exits without an abort. test_no_thread_of_the_process_group_outlives_main[spawn 2-error]
+    guards it. Without this call, gloo's threads outlive main() after an error on torch 2.4.1, 2.13
+    and 2.15."""
+    traceback.clear_frames(exc.__traceback__)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ downloaded, and every rank builds the same samples. It launches exactly like ddp
     torchrun --nproc_per_node=2 tinylm.py --epochs 5
 
 Functions have different lengths. So the file brings a fourth task function, collate_fn, which
-pads a batch to its longest sample. Its compute_loss counts tokens, not samples. The logged loss is
-the mean over the real tokens, in nats per byte, whatever the padding, the batch size or the world
-size. Before training, it is ln 257 = 5.55. The sizes are module constants, and a test or a
+pads a batch to its longest sample. Its count_items counts tokens, not samples, and its
+compute_loss returns the mean over those tokens. The logged loss is the mean over the real tokens,
+in nats per byte, whatever the padding, the batch size or the world size. Before training, it is ln 257 = 5.55. The sizes are module constants, and a test or a
 notebook can make them smaller before the run, for example with tinylm.TRAIN_SIZE = 48. The samples
 depend on the version of Python, so every node of a multi-node run needs the same version.
 """
@@ -174,24 +174,29 @@ def build_model(args):
     return TinyLM(DIM, LAYERS, HEADS, DROPOUT, MAX_LEN)
 
 
-def compute_loss(model, batch):
-    """This returns the mean loss over the real target tokens, and their count. The padding is
-    ignore_index, so it does not count. Both are tensors. An .item() would wait for the GPU.
-    ddp_train weighs each micro-batch's mean by its count. So the gradient and the logged loss are
-    the mean over every real token of the step, on every rank."""
+def count_items(batch):
+    """This counts the real target tokens of a batch on the CPU. The padding is IGNORE, so it does
+    not count."""
+    return int((batch["targets"] != IGNORE).sum())
+
+
+def compute_loss(model, batch, args):
+    """This returns the mean loss over the real target tokens, and their accuracy. ddp_train
+    multiplies each micro-batch's mean by its count. So the gradient and the logged loss are the
+    mean over every real token of the step, on every rank."""
     targets = batch["targets"]
     logits = model(batch["inputs"]).float()
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
     real = targets != IGNORE
     accuracy = ((logits.argmax(dim=-1) == targets) & real).sum() / real.sum()
-    return loss, real.sum(), {"accuracy": accuracy}
+    return loss, {"accuracy": accuracy}
 
 
 # The file hands its functions to ddp_train when it is imported, and not only when it runs as a
 # script. The workers of --spawn import it afresh, and they need the functions too.
 ddp_train.build_datasets, ddp_train.build_model = build_datasets, build_model
 ddp_train.collate_fn, ddp_train.compute_loss = collate_fn, compute_loss
-ddp_train.COUNT_UNIT = "tokens"
+ddp_train.count_items, ddp_train.COUNT_UNIT = count_items, "tokens"
 
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
