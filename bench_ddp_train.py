@@ -25,6 +25,7 @@ takes each ratio within a round.
         # This also runs every configuration of the script with another version of it, side by
         # side. Make that version with git show REV:ddp_train.py > DIR/ddp_train.py. Where that
         # version's examples/tinylm.py differs, put it in DIR too, as tinylm.py.
+        # --only ddp_1,against_1 runs only the configurations that it names.
     python bench_ddp_train.py --gpu-modes
         # This prints make test-gpu's table, which has a short run in every GPU mode.
     python bench_ddp_train.py --resume-memory [--against DIR/ddp_train.py]
@@ -262,7 +263,10 @@ def benchmark(opts):
         flush=True,
     )
     configs = {**CONFIGS, **(AGAINST if opts.against else {})}
+    if opts.only:  # A shorter run measures only the configurations that it names.
+        configs = {key: configs[key] for key in opts.only.split(",")}
     ratios = {**RATIOS, **(AGAINST_RATIOS if opts.against else {})}
+    ratios = {pair: target for pair, target in ratios.items() if set(pair) <= set(configs)}
     results = {key: [] for key in configs}
     with tempfile.TemporaryDirectory(prefix="bench_ddp_train-") as workdir:
         for round_no in range(opts.rounds):
@@ -466,6 +470,7 @@ def main(argv=None):
         "--gpu-modes", action="store_true", help="a short run in every GPU mode, as a table"
     )
     p.add_argument("--against", help="another version of ddp_train.py, run beside this one")
+    p.add_argument("--only", help="run only these configurations, as in ddp_1,against_1")
     p.add_argument(
         "--resume-memory", action="store_true", help="the ranks' memory as they resume 600 MB"
     )

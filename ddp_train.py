@@ -191,7 +191,7 @@ class World:
     # Small CPU messages, such as the stop vote, go over this gloo group. On GPUs it is a group
     # beside the NCCL group, because NCCL moves only GPU tensors, in the GPU's queue of work. On
     # CPUs it is the process group itself. One process has no group.
-    cpu_group: object = None
+    gloo_group: object = None
 
 
 def init_distributed(timeout_s):
@@ -225,10 +225,10 @@ def init_distributed(timeout_s):
             code=1,
             every_rank=True,
         )
-    cpu_group = dist.group.WORLD
+    gloo_group = dist.group.WORLD
     if backend == "nccl":
-        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-    return World(rank, local_rank, world_size, device, cpu_group)
+        gloo_group = dist.new_group(backend="gloo", timeout=timeout)
+    return World(rank, local_rank, world_size, device, gloo_group)
 
 
 def pick_device(local_rank):
@@ -257,7 +257,8 @@ def pick_device(local_rank):
 
 def cleanup_distributed(world):
     """Leave the process group. This also runs after an error."""
-    # Trap: The DDP model must be freed before its process group, or gloo can abort at exit.
+    # Trap: The DDP model must be freed before its process group, or gloo can abort at exit. The
+    # DDP model refers to itself in cycles, so only the garbage collector frees it.
     gc.collect()
     if dist.is_initialized():
         destroy_process_group_gloo_last(world)  # DDP: Leave the process group (section 11).
@@ -309,8 +310,8 @@ class SavedProgress:
     lr: float = 0.0  # This is the last step's learning rate, which an epoch record reports.
     # These are the totals of this epoch's steps so far, and of the steps since the last progress
     # record.
-    epoch: Totals = dataclasses.field(default_factory=Totals)
-    window: Totals = dataclasses.field(default_factory=Totals)
+    epoch_totals: Totals = dataclasses.field(default_factory=Totals)
+    totals_since_log: Totals = dataclasses.field(default_factory=Totals)
 
 
 @dataclasses.dataclass
@@ -332,10 +333,12 @@ class TrainState:
     loader: DataLoader
     eval_loader: DataLoader
     # These are this rank's sums since the last loss all_reduce. They stay tensors on the device, so
-    # that no step waits for the GPU. Their count of items, over all ranks, is on the host.
-    local_sums: dict = dataclasses.field(default_factory=dict)
-    local_count: int = 0
+    # that no step waits for the GPU. The count of their items is the count of all ranks, which the
+    # stop vote gave, and it is an int on the host.
+    unreduced_sums: dict = dataclasses.field(default_factory=dict)
+    unreduced_count: int = 0
     epoch_started: float = dataclasses.field(default_factory=time.perf_counter)
+    epoch_seconds: float = 0.0  # This is the time of the epoch's steps, up to the last one trained.
 
 
 @errors.record  # Under torchrun, this puts a worker's traceback in torchrun's failure summary.
@@ -357,41 +360,46 @@ def train(args, world):
     """Train, and return the exit code. All ranks run every line, and only rank 0 writes."""
     state = setup_training(args, world)
     plan, progress = state.plan, state.progress
-    # A stop or a crash after a save can leave that step's evaluation undone, and it runs now.
-    write_eval_records(args, world, state, written=remove_later_records(args, world, progress.step))
+    # A resume first removes the records that the checkpoint's step did not reach. A stop or a crash
+    # after a save can leave that step's evaluation undone, and it runs now.
+    kinds_logged = truncate_metrics_after(args, world, progress.step)
+    evaluate_if_due(args, world, state, kinds_logged)
     if progress.step >= plan.total_steps:
-        return rewrite_model_file(args, world, state)
+        return finish_completed_run(args, world, state)
     log_header(args, world, state)
     stop = StopVote(world)
     speed = Throughput(progress.step, plan.total_steps)
     for epoch in range(progress.step // plan.steps_per_epoch, plan.epochs):
-        epoch_end = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
+        last_step_of_epoch = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
         state.sampler.set_epoch(epoch)  # Trap: Without it, every epoch repeats the first shuffle.
         # A resumed epoch skips the steps that it has already trained.
         state.batch_sampler.skip_steps = progress.step - epoch * plan.steps_per_epoch
+        # A new epoch starts its totals, and an epoch that a resume continues keeps them.
+        if progress.step == epoch * plan.steps_per_epoch:
+            progress.epoch_totals = Totals()
         state.epoch_started = time.perf_counter()
         micro_batches = iter(state.loader)  # Each step takes its --grad-accum batches from here.
-        for step in range(progress.step + 1, epoch_end + 1):
+        for step in range(progress.step + 1, last_step_of_epoch + 1):
             log_now = args.log_every > 0 and step % args.log_every == 0
             batches = [next(micro_batches) for _ in range(plan.grad_accum)]
             lr, grad_norm = train_step(args, world, state, batches, stop, want_norm=log_now)
             progress.step, progress.lr = step, lr
-            speed.add(stop.step_count)
-            # After the step come the loss all_reduce, the progress record, model.pt at the last
-            # step, the save, report(), the stop and the evaluation, in this order. The resume
-            # runs whatever a stop or a crash left undone after the save.
+            state.epoch_seconds = time.perf_counter() - state.epoch_started
+            speed.add(stop.step_items)  # The stop vote counted the step's items on all ranks.
+            # After the step come the loss all_reduce, the progress record, model.pt, the save,
+            # report(), the stop and the evaluation, in this order. A resume runs a skipped evaluation.
             eval_now = args.eval_every > 0 and step % args.eval_every == 0
             periodic_save = args.save_every > 0 and step % args.save_every == 0
-            save_now = periodic_save or eval_now or step == epoch_end or stop.should_stop
+            # A step that evaluates saves first, so that a stop during the evaluation loses no step.
+            save_now = periodic_save or eval_now or step == last_step_of_epoch or stop.should_stop
             if log_now or save_now:
-                all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
+                sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
+                check_finite(sums["loss"], state.raw_model, step)
             record = None
             if log_now:
-                record = {"kind": "progress", "step": step, "epoch": epoch + 1}
-                record |= progress.window.means("train_") | {"lr": lr}
-                record |= {"grad_norm": grad_norm.item()} | speed.metrics(step)
+                record = progress_record(step, epoch, lr, grad_norm, progress, speed)
                 write_record(args, world, record, plan.total_steps)
-                progress.window = Totals()
+                progress.totals_since_log = Totals()
             if step == plan.total_steps and world.rank == 0:
                 # Trap: Save the raw module. DDP adds "module." to every key, and compile adds
                 # "_orig_mod.". model.pt comes before the final checkpoint, which ends the run.
@@ -402,12 +410,9 @@ def train(args, world):
                 report(record, args, state.raw_model)
             if stop.should_stop and step < plan.total_steps:
                 stop.restore()
-                log(
-                    f"stopped by a signal at step {step}, and the checkpoint is saved. Rerun the "
-                    "same command to resume (exit 75)"
-                )
+                log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
                 return 75
-            write_eval_records(args, world, state, written=set())
+            evaluate_if_due(args, world, state, kinds_logged=set())
     stop.restore()
     log(f"saved {args.out_dir}/model.pt after {progress.step} steps")
     return 0
@@ -423,25 +428,32 @@ def train_step(args, world, state, batches, stop, want_norm):
     for i, (batch, count) in enumerate(zip(batches, counts)):
         batch = to_device(batch, world.device)
         # DDP: no_sync skips the gradient all-reduce. Only the last micro-batch's backward runs it.
-        skip_sync = i < len(batches) - 1 and world.world_size > 1
-        with state.ddp_model.no_sync() if skip_sync else contextlib.nullcontext():
+        if i < len(batches) - 1 and world.world_size > 1:
+            gradient_sync = state.ddp_model.no_sync()
+        else:
+            gradient_sync = contextlib.nullcontext()
+        with gradient_sync:
             with state.autocast:
                 output = compute_loss(state.forward_model, batch, args)
             loss, metrics = check_loss_output(output, count)
-            add_means(state.local_sums, {"loss": loss, **metrics}, count)
+            add_means(state.unreduced_sums, {"loss": loss, **metrics}, count)
             if i == 0:  # The vote ran beside the first forward, and now its count is needed.
-                finish_vote(state, stop)
+                stop.finish()
+                check_step_items(stop.step_items, state.plan)
+                state.unreduced_count += stop.step_items
             # DDP: DDP averages the gradients over the ranks. So each mean is multiplied by its
             # count over the step's count, times the world size. Then the gradient is the exact
             # mean over all the items of the step. fp16's scaler scales a mean, never a sum.
-            weight = count * world.world_size / max(1, stop.step_count)
+            weight = count * world.world_size / max(1, stop.step_items)
             state.scaler.scale(loss * weight).backward()
     grad_norm = None
     if args.clip_grad_norm or want_norm:
         for optimizer in state.optimizers:
             # Trap: Clip and log the true gradients, not the gradients that fp16 scaled up.
             state.scaler.unscale_(optimizer)
-        max_norm = args.clip_grad_norm or math.inf  # A limit of inf only measures the norm.
+        max_norm = math.inf  # A limit of inf only measures the norm.
+        if args.clip_grad_norm:
+            max_norm = args.clip_grad_norm
         grad_norm = nn.utils.clip_grad_norm_(state.raw_model.parameters(), max_norm)
     lr = state.optimizers[0].param_groups[0]["lr"]
     for optimizer, scheduler in zip(state.optimizers, state.schedulers):
@@ -468,12 +480,17 @@ def check_loss_output(output, count):
 
     A mean over no items is 0/0, which is NaN. Its weight is 0, and here it becomes 0, so that NaN
     never reaches a sum or a gradient."""
-    loss, metrics = output if isinstance(output, tuple) and len(output) == 2 else (output, {})
+    if isinstance(output, tuple) and len(output) == 2:
+        loss, metrics = output
+    else:
+        loss, metrics = output, {}
     if not (torch.is_tensor(loss) and loss.ndim == 0 and isinstance(metrics, dict)):
-        shape = f", a loss of shape {list(loss.shape)}: its mean" if torch.is_tensor(loss) else ""
+        returned = type(output).__name__
+        if torch.is_tensor(loss):
+            returned += f", a loss of shape {list(loss.shape)}: its mean"
         fail(
             "compute_loss must return loss or (loss, {name: mean}), where loss is a 0-dim mean over "
-            f"the batch's count_items() items. It returned {type(output).__name__}{shape}"
+            f"the batch's count_items() items. It returned {returned}"
         )
     taken = RESERVED_METRICS.intersection(metrics)
     check(
@@ -492,37 +509,43 @@ def add_means(sums, means, count):
         sums[name] = sums.get(name, 0.0) + value
 
 
-def finish_vote(state, stop):
-    """Wait for the stop vote, which also gives the step's count over all ranks."""
-    stop.finish()
-    state.local_count += stop.step_count
+def check_step_items(step_items, plan):
+    """A step of samples holds exactly the global batch. Another count means that count_items
+    counts something else, such as tokens, and then every mean would be wrong."""
     check(
-        COUNT_UNIT != "samples" or stop.step_count == state.plan.global_batch,
-        f"count_items counted {stop.step_count} items in a step of {state.plan.global_batch} "
-        'samples, but COUNT_UNIT is samples: count the samples, or set COUNT_UNIT to "tokens"',
+        COUNT_UNIT != "samples" or step_items == plan.global_batch,
+        f"count_items counted {step_items} items in a step of {plan.global_batch} samples, but "
+        'COUNT_UNIT is samples: count the samples, or set COUNT_UNIT to "tokens"',
     )
 
 
 def all_reduce_losses(world, state):
     """All ranks add up their sums since the last call, and add them to the totals of the epoch and
-    of the next progress record. This is the tutorials' loss all_reduce. It is the one place where
-    training reads the device, and only the steps that log, evaluate or save reach it. It adds with
-    SUM, because gloo does not support AVG on every torch version. A non-finite loss or weight
-    stops every rank here, before a checkpoint holds it."""
-    packed = torch.stack([value.to(world.device) for value in state.local_sums.values()])
+    of the next progress record. Return the sums of all ranks, as floats. This is the tutorials'
+    loss all_reduce. It is the one place where training reads the device, and only the steps that
+    log, evaluate or save reach it. It adds with SUM, because gloo does not support AVG on every
+    torch version."""
+    names = list(state.unreduced_sums)
+    values = torch.stack([state.unreduced_sums[name].to(world.device) for name in names])
     if world.world_size > 1:
-        dist.all_reduce(packed)  # DDP: Add up every rank's sums.
-    sums = dict(zip(state.local_sums, packed.tolist()))
-    state.progress.epoch.add(sums, state.local_count)
-    state.progress.window.add(sums, state.local_count)
-    state.local_sums, state.local_count = {}, 0
-    step = state.progress.step
+        dist.all_reduce(values)  # DDP: Add up every rank's sums.
+    sums = dict(zip(names, values.tolist()))
+    state.progress.epoch_totals.add(sums, state.unreduced_count)
+    state.progress.totals_since_log.add(sums, state.unreduced_count)
+    state.unreduced_sums = {}
+    state.unreduced_count = 0
+    return sums
+
+
+def check_finite(loss_sum, model, step):
+    """A non-finite loss or weight stops every rank, before a record or a checkpoint holds it. All
+    ranks see the same loss sum and the same weights, so they all stop."""
     advice = (
         "the run diverged. Nothing non-finite was saved. Lower --lr, or pass --clip-grad-norm 1.0"
     )
-    if not math.isfinite(sums["loss"]):
-        fail(f"the training loss is {sums['loss']} at step {step}: {advice}", code=1)
-    if not torch.stack([p.isfinite().all() for p in state.raw_model.parameters()]).all():
+    if not math.isfinite(loss_sum):
+        fail(f"the training loss is {loss_sum} at step {step}: {advice}", code=1)
+    if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():
         fail(f"the weights are not finite at step {step} (a non-finite gradient): {advice}", code=1)
 
 
@@ -547,22 +570,24 @@ def evaluate(args, world, model, eval_loader, autocast):
             dist.broadcast(buffer, 0)
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
-    local_sums, count = {}, 0
+    sums = {}
+    count = 0
     for batch in eval_loader:
         batch_count = count_items(batch)
         with autocast:
             output = compute_loss(model, to_device(batch, world.device), args)
         loss, metrics = check_loss_output(output, batch_count)
-        add_means(local_sums, {"loss": loss, **metrics}, batch_count)
+        add_means(sums, {"loss": loss, **metrics}, batch_count)
         count += batch_count
     # Trap: Do not call model.train(). A part that the task froze in eval mode must stay so.
     for module, training in modes:
         module.train(training)
-    per_rank = [({name: float(value) for name, value in local_sums.items()}, count)]
     # A rank's share may be empty, with no names in its sums. So the ranks gather plain values.
+    this_rank = ({name: float(value) for name, value in sums.items()}, count)
+    per_rank = [this_rank]
     if world.world_size > 1:
-        this_rank, per_rank = per_rank[0], [None] * world.world_size
-        dist.all_gather_object(per_rank, this_rank, group=world.cpu_group)  # DDP: Gather all sums.
+        per_rank = [None] * world.world_size
+        dist.all_gather_object(per_rank, this_rank, group=world.gloo_group)  # DDP: Gather all sums.
     totals = Totals()
     for rank_sums, rank_count in per_rank:
         totals.add(rank_sums, rank_count)
@@ -572,41 +597,48 @@ def evaluate(args, world, model, eval_loader, autocast):
     return metrics
 
 
-def write_eval_records(args, world, state, written):
-    """All ranks evaluate for the last step's eval or epoch record, and rank 0 writes it and gives
-    it to report(). `written` holds the kinds of record that metrics.jsonl already has at the step,
-    and these are left out. An epoch record evaluates too, so no eval record comes beside it. The
-    epoch's totals start again after an epoch's last step, but not after a cut by --max-steps, as a
-    later run may raise it."""
-    plan, progress = state.plan, state.progress
-    epoch_end = progress.step % plan.steps_per_epoch == 0 or progress.step == plan.total_steps
+def progress_record(step, epoch, lr, grad_norm, progress, speed):
+    """Return a progress record: the means since the last one, the lr, the norm and the speed."""
+    record = {"kind": "progress", "step": step, "epoch": epoch + 1}
+    record.update(progress.totals_since_log.means("train_"))
+    record["lr"] = lr
+    record["grad_norm"] = grad_norm.item()
+    record.update(speed.metrics(step))  # This also starts the next window of the speed.
+    return record
+
+
+def evaluate_if_due(args, world, state, kinds_logged):
+    """If the last step ends an epoch or is due for an evaluation, all ranks evaluate, and rank 0
+    writes the epoch or eval record and gives it to report(). An epoch record evaluates too, so no
+    eval record comes beside it. A record whose kind is in kinds_logged is in metrics.jsonl already,
+    and it is not made again."""
+    plan, step = state.plan, state.progress.step
+    at_epoch_end = step % plan.steps_per_epoch == 0 or step == plan.total_steps
     has_eval_set = len(state.eval_loader.dataset) > 0
-    eval_now = has_eval_set and args.eval_every > 0 and progress.step % args.eval_every == 0
-    kind = "epoch" if epoch_end else "eval"
-    if progress.step > 0 and (epoch_end or eval_now) and kind not in written:
-        record = {"kind": kind, "step": progress.step}
-        record["epoch"] = math.ceil(progress.step / plan.steps_per_epoch)
-        if epoch_end:
-            record |= epoch_metrics(world, state)
-        if has_eval_set:
-            record |= evaluate(args, world, state.raw_model, state.eval_loader, state.autocast)
-        write_record(args, world, record, plan.total_steps)
-        if world.rank == 0:
-            report(record, args, state.raw_model)
-    if progress.step % plan.steps_per_epoch == 0:
-        progress.epoch = Totals()
+    eval_now = has_eval_set and args.eval_every > 0 and step % args.eval_every == 0
+    kind = "epoch" if at_epoch_end else "eval"
+    if step == 0 or not (at_epoch_end or eval_now) or kind in kinds_logged:
+        return
+    record = {"kind": kind, "step": step, "epoch": math.ceil(step / plan.steps_per_epoch)}
+    if at_epoch_end:
+        record.update(epoch_metrics(world, state))
+    if has_eval_set:
+        record.update(evaluate(args, world, state.raw_model, state.eval_loader, state.autocast))
+    write_record(args, world, record, plan.total_steps)
+    if world.rank == 0:
+        report(record, args, state.raw_model)
 
 
 def epoch_metrics(world, state):
     """Return an epoch record's training metrics: its means, its items, its rate and its seconds."""
-    totals, plan, step = state.progress.epoch, state.plan, state.progress.step
-    steps = step - (math.ceil(step / plan.steps_per_epoch) - 1) * plan.steps_per_epoch
+    totals, plan, step = state.progress.epoch_totals, state.plan, state.progress.step
+    steps = (step - 1) % plan.steps_per_epoch + 1  # This counts the epoch's steps up to this one.
     return totals.means("train_") | {
         f"train_{COUNT_UNIT}": totals.count,
         "lr": state.progress.lr,
         "train_samples": steps * plan.global_batch,
         "world_size": world.world_size,
-        "epoch_s": time.perf_counter() - state.epoch_started,
+        "epoch_s": state.epoch_seconds,
     }
 
 
@@ -669,11 +701,13 @@ def write_record(args, world, record, total_steps, to_file=True):
             f.write(json.dumps(record) + "\n")
 
 
-def remove_later_records(args, world, step):
+def truncate_metrics_after(args, world, step):
     """Rank 0 removes the records past the checkpoint's step from metrics.jsonl, as TensorBoard's
     purge_step does, because the run writes them again. Return the kinds of record that the file
     holds at the step, on every rank, so that the run writes only the ones that it lacks."""
-    path, kinds, kept_lines = f"{args.out_dir}/metrics.jsonl", [], []
+    path = f"{args.out_dir}/metrics.jsonl"
+    kinds = []
+    kept_lines = []
     if world.rank == 0 and os.path.exists(path):
         with open(path) as f:
             for line in f:
@@ -689,12 +723,12 @@ def remove_later_records(args, world, step):
         os.replace(f"{path}.tmp", path)
     if world.world_size > 1:  # All ranks need the kinds, because they all evaluate.
         shared = [kinds]
-        dist.broadcast_object_list(shared, src=0, group=world.cpu_group)
+        dist.broadcast_object_list(shared, src=0, group=world.gloo_group)
         kinds = shared[0]
     return set(kinds)
 
 
-def rewrite_model_file(args, world, state):
+def finish_completed_run(args, world, state):
     """A rerun of a finished run writes model.pt again from the final checkpoint. Then model.pt
     always holds the weights of the run that the checkpoint finished, even if the same out-dir had
     an earlier run of fewer steps."""
@@ -741,11 +775,12 @@ def save_checkpoint(args, world, state):
     rng_states = [rng_state()]
     if world.world_size > 1:
         rng_states = [None] * world.world_size
-        dist.all_gather_object(rng_states, rng_state(), group=world.cpu_group)
-    # Trap: On the CPU, a restored optimizer keeps the tensors of the checkpoint that torch.load
-    # mapped. This save renames that file and the next deletes it, and a deleted file that is still
-    # mapped keeps its disk space. So each rank copies them into its own memory at its first save.
-    # Only a tensor that torch.load made has a storage that cannot be resized.
+        dist.all_gather_object(rng_states, rng_state(), group=world.gloo_group)
+    # Trap: On the CPU, the optimizer that a resume restored keeps tensors that read their values
+    # from the checkpoint's file, because torch.load mapped it. This save renames that file, and
+    # the next save deletes it. A deleted file keeps its disk space while a process maps it. So at
+    # its first save, each rank copies those tensors into its own memory. They are the only tensors
+    # whose storage cannot be resized, and that is how we find them.
     for optimizer in state.optimizers:
         for values in optimizer.state.values():
             for key, value in values.items():
@@ -769,7 +804,7 @@ def save_checkpoint(args, world, state):
         atomic_save(checkpoint, f"{stem}.pt", previous=f"{stem}.prev.pt")
     if world.world_size > 1:
         # Trap: No rank goes on or exits before the checkpoint is written.
-        dist.barrier(group=world.cpu_group)
+        dist.barrier(group=world.gloo_group)
 
 
 def restore_checkpoint(args, world, stateful_parts, path, checkpoint):
@@ -792,7 +827,10 @@ def restore_checkpoint(args, world, stateful_parts, path, checkpoint):
         set_rng_state(checkpoint["rng"][world.rank])
     saved = checkpoint["progress"]
     progress = SavedProgress(
-        saved["step"], saved["lr"], Totals(**saved["epoch"]), Totals(**saved["window"])
+        step=saved["step"],
+        lr=saved["lr"],
+        epoch_totals=Totals(**saved["epoch_totals"]),
+        totals_since_log=Totals(**saved["totals_since_log"]),
     )
     log(
         f"resumed from {path} at step {progress.step}, saved by {len(checkpoint['rng'])} process(es)"
@@ -938,7 +976,7 @@ class StopVote:
         self.world = world
         self.signals = []  # These are the stop signals that this process got.
         self.should_stop = False
-        self.step_count = 0  # This counts the step's items over all ranks.
+        self.step_items = 0  # This counts the step's items over all ranks.
         self.votes, self.reduction = None, None
         self.previous_handlers = {sig: signal.signal(sig, self.on_signal) for sig in STOP_SIGNALS}
 
@@ -948,7 +986,7 @@ class StopVote:
     def start(self, count):
         self.votes = torch.tensor([len(self.signals), int(count)], dtype=torch.int64)
         if self.world.world_size > 1:
-            self.reduction = dist.all_reduce(self.votes, group=self.world.cpu_group, async_op=True)
+            self.reduction = dist.all_reduce(self.votes, group=self.world.gloo_group, async_op=True)
 
     def finish(self):
         if self.world.world_size > 1:
@@ -956,7 +994,7 @@ class StopVote:
             self.reduction = None  # The finished all-reduce holds the group, which must be freed.
         else:
             self.votes[0] = len(self.signals)  # One process reads its notes as late as it can.
-        signals, self.step_count = self.votes.tolist()
+        signals, self.step_items = self.votes.tolist()
         self.should_stop = signals > 0
 
     def restore(self):
@@ -1042,7 +1080,8 @@ def build_task(args, world):
     """Return (train_set, eval_set, model). They are the same on every rank and world size."""
     seed_everything(args.seed)  # This comes first, so a random split agrees across the ranks.
     train_set, eval_set = build_datasets(args)
-    eval_set = eval_set or []
+    if eval_set is None:
+        eval_set = []
     for name, dataset in ("training", train_set), ("eval", eval_set):
         check(
             hasattr(dataset, "__len__"),
@@ -1096,7 +1135,7 @@ def check_same_start(world, step):
     # train apart. So all ranks compare their starting step.
     if world.world_size > 1:
         starts = [None] * world.world_size
-        dist.all_gather_object(starts, step, group=world.cpu_group)
+        dist.all_gather_object(starts, step, group=world.gloo_group)
         check(
             len(set(starts)) == 1,
             f"the ranks start at steps {starts}: pass an --out-dir on a disk that all nodes share",
@@ -1197,7 +1236,9 @@ def spawn(processes, argv):
     for code in codes:
         if code != 0:
             # A worker that a signal N killed returns -N, and a shell writes that as 128 + N.
-            return code if code > 0 else 128 - code
+            if code < 0:
+                return 128 - code
+            return code
     return 0
 
 
@@ -1280,43 +1321,53 @@ def parse_args(argv=None):
     parser = OneLineParser(
         allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    flag = parser.add_argument
-    switch = argparse.BooleanOptionalAction  # A switch has --name and --no-name.
-    flag("--epochs", type=int, default=3, help="passes over the training set")
-    flag("--max-steps", type=int, default=0, help="train exactly N optimizer steps (0: --epochs)")
-    flag("--batch-size", type=int, default=64, help="samples per process and micro-batch")
-    flag("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    flag("--lr", type=float, default=1e-3, help="peak learning rate (build_optimizer's)")
-    flag("--warmup-steps", type=int, default=0, help="linear warmup steps, then a cosine to 0")
-    flag("--weight-decay", type=float, default=0.01, help="the default AdamW's, on matrices")
-    flag(
-        "--clip-grad-norm", type=float, default=0.0, help="clip the gradient norm to this (0: off)"
-    )
-    flag("--seed", type=int, default=0, help="seeds the data, the initial weights and the shuffle")
-    flag("--out-dir", default=f"out/{PROG.removesuffix('.py')}", help="rank 0 writes here")
-    flag("--log-every", type=int, default=100, help="a progress line every N steps (0: off)")
-    flag("--eval-every", type=int, default=0, help="also evaluate every N steps (0: at epoch ends)")
-    flag("--save-every", type=int, default=500, help="also save every N steps (0: at epoch ends)")
-    flag("--eval-only", action=switch, default=False, help="evaluate the checkpoint, then exit")
-    flag("--amp", default="off", choices=["off", "bf16", "fp16"], help="autocast (fp16 scales)")
-    flag("--compile", action=switch, default=False, help="torch.compile the DDP model")
-    flag("--workers", type=int, default=0, help="DataLoader workers per process")
-    flag("--find-unused-parameters", action=switch, default=False, help="DDP's option, slower")
-    flag("--sync-bn", action=switch, default=False, help="BatchNorm statistics over all ranks")
-    flag("--timeout", type=float, default=1800.0, help="seconds to wait for a peer before failing")
-    flag("--spawn", type=int, default=0, help="start N local processes, as torchrun would")
-    # The legacy launcher passes --local-rank=N, and older torch passes --local_rank=N.
-    flag("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
+    add_script_flags(parser)
     add_task_flags(parser)
     args = parser.parse_args(argv)
-    at_least_1 = ("epochs", "batch_size", "grad_accum")
-    at_least_0 = ("max_steps", "lr", "warmup_steps", "weight_decay", "clip_grad_norm", "seed")
-    at_least_0 += ("log_every", "eval_every", "save_every", "workers", "timeout", "spawn")
-    for name in at_least_1 + at_least_0:
-        least = 1 if name in at_least_1 else 0
+    least_values = {"epochs": 1, "batch_size": 1, "grad_accum": 1, "max_steps": 0, "lr": 0}
+    least_values |= {"warmup_steps": 0, "weight_decay": 0, "clip_grad_norm": 0, "seed": 0}
+    least_values |= {"log_every": 0, "eval_every": 0, "save_every": 0, "workers": 0}
+    least_values |= {"timeout": 0, "spawn": 0}
+    for name, least in least_values.items():
         value = getattr(args, name)
         check(value >= least, f"--{name.replace('_', '-')} is {value}: it is at least {least}")
     return args
+
+
+def add_script_flags(parser):
+    """Add the script's own flags. A switch, such as --compile, also has a --no-compile."""
+    switch = argparse.BooleanOptionalAction
+    parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
+    parser.add_argument("--max-steps", type=int, default=0, help="steps to train (0: --epochs)")
+    parser.add_argument("--batch-size", type=int, default=64, help="per process and micro-batch")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warmup")
+    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's, on matrices")
+    parser.add_argument(
+        "--clip-grad-norm", type=float, default=0.0, help="max gradient norm (0: off)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seeds the data, weights and shuffle")
+    parser.add_argument(
+        "--out-dir", default=f"out/{PROG.removesuffix('.py')}", help="rank 0's files"
+    )
+    parser.add_argument(
+        "--log-every", type=int, default=100, help="steps per progress line (0: off)"
+    )
+    parser.add_argument("--eval-every", type=int, default=0, help="steps (0: at epoch ends only)")
+    parser.add_argument("--save-every", type=int, default=500, help="steps (0: at epoch ends)")
+    parser.add_argument("--eval-only", action=switch, default=False, help="evaluate, then exit")
+    parser.add_argument("--amp", default="off", choices=["off", "bf16", "fp16"], help="autocast")
+    parser.add_argument("--compile", action=switch, default=False, help="compile the DDP model")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per process")
+    parser.add_argument(
+        "--find-unused-parameters", action=switch, default=False, help="DDP's option"
+    )
+    parser.add_argument("--sync-bn", action=switch, default=False, help="SyncBatchNorm on GPUs")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for peers")
+    parser.add_argument("--spawn", type=int, default=0, help="start N processes on this machine")
+    # The legacy launcher passes --local-rank=N, and older torch passes --local_rank=N.
+    parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
 
 
 def log(*args, **kwargs):
@@ -1349,14 +1400,14 @@ def one_line(exc):
 # Each of these works around a behaviour of some torch versions. Each names the versions and the
 # test that guards it, so that a copy for a newer torch may delete it.
 
-# Trap: Keep this import, although nothing here uses it. It prevents an abort at exit. The
-# functions of this module have the default argument group=group.WORLD, and Python computes a
-# default once, when it imports the module. DDP imports this module after init_process_group, and
-# then each default holds our process group. cleanup_distributed() could not free the group, and
-# gloo's threads would live until the interpreter exits, where they can abort a run that has saved
-# ("terminate called"). Imported here, when this file is imported, before any group exists, each
-# default holds None. test_no_thread_of_the_process_group_outlives_main guards it. Without this
-# import, that test fails on torch 2.13 and 2.15, and it passes on torch 2.4.1.
+# Trap: Keep this import, although nothing here uses it. It prevents an abort at exit. The functions
+# of torch.distributed.nn.functional have the default argument group=group.WORLD, and Python
+# computes a default once, when it imports a module. DDP imports this module after
+# init_process_group, and then each default keeps a reference to our process group. So the group
+# is never freed, and gloo's threads live until the interpreter exits. There they can abort a run
+# that has already saved ("terminate called"). This line runs when this file is imported, before
+# main() makes any group, so each default holds None. test_no_thread_of_the_process_group_outlives_
+# main guards it. Without this import, that test fails on torch 2.13 and 2.15, and not on 2.4.1.
 import torch.distributed.nn.functional  # noqa: E402, F401
 
 
@@ -1367,8 +1418,8 @@ def destroy_process_group_gloo_last(world):
     frees it last. torch's Python handle lets go of the GIL before it frees a backend, so gloo's
     threads can finish. The version tier on torch 2.4.1 guards it, where runs of two processes
     would hang at exit now and then. On torch 2.8 and later, destroy_process_group() is enough."""
-    gloo_backend = world.cpu_group._get_backend(torch.device("cpu"))
-    world.cpu_group = None  # Then only gloo_backend keeps the backend alive.
+    gloo_backend = world.gloo_group._get_backend(torch.device("cpu"))
+    world.gloo_group = None  # Then only gloo_backend keeps the backend alive.
     dist.destroy_process_group()
     del gloo_backend
 

