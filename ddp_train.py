@@ -52,9 +52,12 @@ except ImportError:
     numpy = None
 
 PROG = os.path.basename(sys.argv[0])  # The messages name the script that runs, such as mine.py.
-# These signals make the run save and exit with code 75. Schedulers send them to preempt a job
-# (torchrun, SLURM and Kubernetes do), and Ctrl-C sends SIGINT.
+# These signals make the run save and exit with EXIT_STOPPED. Schedulers send them to preempt a
+# job (torchrun, SLURM and Kubernetes do), and Ctrl-C sends SIGINT.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# A stopped run exits with 75, which is EX_TEMPFAIL in sysexits.h: "try again later". A job script
+# can requeue the job when it sees this code.
+EXIT_STOPPED = 75
 
 
 # ====== 1. Your task: replace these ==============================================================
@@ -316,7 +319,8 @@ class SavedProgress:
 
 @dataclasses.dataclass
 class TrainState:
-    """Everything that training holds. setup_training() makes it, and then only the loop changes it."""
+    """Everything that training holds. setup_training() makes it. Then only the loop changes it,
+    and train_step() and all_reduce_losses(), which the loop calls."""
 
     plan: Plan
     progress: SavedProgress
@@ -332,11 +336,11 @@ class TrainState:
     batch_sampler: "ResumableBatchSampler"
     loader: DataLoader
     eval_loader: DataLoader
-    # These are this rank's sums since the last loss all_reduce. They stay tensors on the device, so
-    # that no step waits for the GPU. The count of their items is the count of all ranks, which the
-    # stop vote gave, and it is an int on the host.
-    unreduced_sums: dict = dataclasses.field(default_factory=dict)
-    unreduced_count: int = 0
+    # These are this rank's sums of the loss and the metrics since the last loss all_reduce. They
+    # stay tensors on the device, so that no step waits for the GPU. pending_count counts the items
+    # of those steps on all ranks, because the stop vote gives each step's count over all ranks.
+    pending_sums: dict = dataclasses.field(default_factory=dict)
+    pending_count: int = 0
     epoch_started: float = dataclasses.field(default_factory=time.perf_counter)
     epoch_seconds: float = 0.0  # This is the time of the epoch's steps, up to the last one trained.
 
@@ -362,8 +366,8 @@ def train(args, world):
     plan, progress = state.plan, state.progress
     # A resume first removes the records that the checkpoint's step did not reach. A stop or a crash
     # after a save can leave that step's evaluation undone, and it runs now.
-    kinds_logged = truncate_metrics_after(args, world, progress.step)
-    evaluate_if_due(args, world, state, kinds_logged)
+    kinds_written = truncate_metrics_after(args, world, progress.step)
+    evaluate_if_due(args, world, state, kinds_written)
     if progress.step >= plan.total_steps:
         return finish_completed_run(args, world, state)
     log_header(args, world, state)
@@ -387,7 +391,7 @@ def train(args, world):
             state.epoch_seconds = time.perf_counter() - state.epoch_started
             speed.add(stop.step_items)  # The stop vote counted the step's items on all ranks.
             # After the step come the loss all_reduce, the progress record, model.pt, the save,
-            # report(), the stop and the evaluation, in this order. A resume runs a skipped evaluation.
+            # report(), the stop and the evaluation, in this order.
             eval_now = args.eval_every > 0 and step % args.eval_every == 0
             periodic_save = args.save_every > 0 and step % args.save_every == 0
             # A step that evaluates saves first, so that a stop during the evaluation loses no step.
@@ -411,8 +415,8 @@ def train(args, world):
             if stop.should_stop and step < plan.total_steps:
                 stop.restore()
                 log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
-                return 75
-            evaluate_if_due(args, world, state, kinds_logged=set())
+                return EXIT_STOPPED
+            evaluate_if_due(args, world, state, kinds_written=set())
     stop.restore()
     log(f"saved {args.out_dir}/model.pt after {progress.step} steps")
     return 0
@@ -436,11 +440,11 @@ def train_step(args, world, state, batches, stop, want_norm):
             with state.autocast:
                 output = compute_loss(state.forward_model, batch, args)
             loss, metrics = check_loss_output(output, count)
-            add_means(state.unreduced_sums, {"loss": loss, **metrics}, count)
+            add_means(state.pending_sums, {"loss": loss, **metrics}, count)
             if i == 0:  # The vote ran beside the first forward, and now its count is needed.
                 stop.finish()
                 check_step_items(stop.step_items, state.plan)
-                state.unreduced_count += stop.step_items
+                state.pending_count += stop.step_items
             # DDP: DDP averages the gradients over the ranks. So each mean is multiplied by its
             # count over the step's count, times the world size. Then the gradient is the exact
             # mean over all the items of the step. fp16's scaler scales a mean, never a sum.
@@ -525,15 +529,15 @@ def all_reduce_losses(world, state):
     loss all_reduce. It is the one place where training reads the device, and only the steps that
     log, evaluate or save reach it. It adds with SUM, because gloo does not support AVG on every
     torch version."""
-    names = list(state.unreduced_sums)
-    values = torch.stack([state.unreduced_sums[name].to(world.device) for name in names])
+    names = list(state.pending_sums)
+    values = torch.stack([state.pending_sums[name].to(world.device) for name in names])
     if world.world_size > 1:
         dist.all_reduce(values)  # DDP: Add up every rank's sums.
     sums = dict(zip(names, values.tolist()))
-    state.progress.epoch_totals.add(sums, state.unreduced_count)
-    state.progress.totals_since_log.add(sums, state.unreduced_count)
-    state.unreduced_sums = {}
-    state.unreduced_count = 0
+    state.progress.epoch_totals.add(sums, state.pending_count)
+    state.progress.totals_since_log.add(sums, state.pending_count)
+    state.pending_sums = {}
+    state.pending_count = 0
     return sums
 
 
@@ -607,17 +611,19 @@ def progress_record(step, epoch, lr, grad_norm, progress, speed):
     return record
 
 
-def evaluate_if_due(args, world, state, kinds_logged):
+def evaluate_if_due(args, world, state, kinds_written):
     """If the last step ends an epoch or is due for an evaluation, all ranks evaluate, and rank 0
     writes the epoch or eval record and gives it to report(). An epoch record evaluates too, so no
-    eval record comes beside it. A record whose kind is in kinds_logged is in metrics.jsonl already,
-    and it is not made again."""
+    eval record comes beside it. A record whose kind is in kinds_written is in metrics.jsonl
+    already, and it is not made again."""
     plan, step = state.plan, state.progress.step
     at_epoch_end = step % plan.steps_per_epoch == 0 or step == plan.total_steps
     has_eval_set = len(state.eval_loader.dataset) > 0
     eval_now = has_eval_set and args.eval_every > 0 and step % args.eval_every == 0
     kind = "epoch" if at_epoch_end else "eval"
-    if step == 0 or not (at_epoch_end or eval_now) or kind in kinds_logged:
+    if step == 0 or kind in kinds_written:
+        return
+    if not at_epoch_end and not eval_now:
         return
     record = {"kind": kind, "step": step, "epoch": math.ceil(step / plan.steps_per_epoch)}
     if at_epoch_end:
@@ -633,13 +639,14 @@ def epoch_metrics(world, state):
     """Return an epoch record's training metrics: its means, its items, its rate and its seconds."""
     totals, plan, step = state.progress.epoch_totals, state.plan, state.progress.step
     steps = (step - 1) % plan.steps_per_epoch + 1  # This counts the epoch's steps up to this one.
-    return totals.means("train_") | {
-        f"train_{COUNT_UNIT}": totals.count,
-        "lr": state.progress.lr,
-        "train_samples": steps * plan.global_batch,
-        "world_size": world.world_size,
-        "epoch_s": state.epoch_seconds,
-    }
+    metrics = totals.means("train_")
+    metrics["train_samples"] = steps * plan.global_batch
+    if COUNT_UNIT != "samples":
+        metrics[f"train_{COUNT_UNIT}"] = totals.count
+    metrics["lr"] = state.progress.lr
+    metrics["world_size"] = world.world_size
+    metrics["epoch_s"] = state.epoch_seconds
+    return metrics
 
 
 def evaluate_checkpoint(args, world):
@@ -666,8 +673,9 @@ def evaluate_checkpoint(args, world):
 
 
 class Throughput:
-    """The items trained per second since the last progress record, and the seconds left. It counts
-    the steps of this process only, so a resume in the middle of a window measures what it trains."""
+    """The items trained per second since the last progress record, and the seconds left. It
+    counts the steps of this process only, so a resume in the middle of a window measures what it
+    trains."""
 
     def __init__(self, first_step, total_steps):
         self.last_step, self.total_steps = first_step, total_steps
@@ -911,10 +919,12 @@ def atomic_save(obj, path, previous=None):
 class ResumableBatchSampler:
     """The training DataLoader's batch_sampler. It gives this rank's micro-batches of an epoch.
 
-    Step s of an epoch trains the stretch of the shuffle from s times the global batch to s + 1
-    times the global batch. This rank's share of that stretch is the same stretch of its own
-    DistributedSampler share. It is cut into micro-batches of --batch-size. A resumed epoch sets
-    skip_steps, and then the first micro-batch is the one that the run stopped before."""
+    Step s of an epoch trains the items of the epoch's shuffle from s x G to (s + 1) x G, where G
+    is the global batch. DistributedSampler gives rank r the items r, r + W, r + 2W and so on of the
+    shuffle, where W is the world size. So this rank's items of step s are the items from s x P to
+    (s + 1) x P of its share, where P is G / W. They are cut into micro-batches of --batch-size. A
+    resumed epoch sets skip_steps, and then the first micro-batch is the one that the run stopped
+    before."""
 
     def __init__(self, sampler, batch_size, plan):
         self.sampler, self.batch_size = sampler, batch_size
@@ -965,7 +975,9 @@ def set_rng_state(state):
 
 
 class StopVote:
-    """At every step, all ranks vote whether to stop, and the vote adds up the step's count of items.
+    """At every step, all ranks vote whether to stop. The vote is an all-reduce that runs at every
+    step anyway, so it also adds up the ranks' counts of the step's items, as step_items. Then the
+    count needs no collective of its own.
 
     Preemption sends SIGTERM or SIGUSR1, and Ctrl-C sends SIGINT. Trap: The handler only notes the
     signal, because a collective inside a handler deadlocks. start() sends this rank's notes and
@@ -977,23 +989,29 @@ class StopVote:
         self.signals = []  # These are the stop signals that this process got.
         self.should_stop = False
         self.step_items = 0  # This counts the step's items over all ranks.
-        self.votes, self.reduction = None, None
-        self.previous_handlers = {sig: signal.signal(sig, self.on_signal) for sig in STOP_SIGNALS}
+        self.count = 0  # This counts the step's items on this rank.
+        self.votes = None
+        self.reduction = None
+        self.previous_handlers = {}
+        for sig in STOP_SIGNALS:
+            self.previous_handlers[sig] = signal.signal(sig, self.on_signal)
 
     def on_signal(self, signum, frame):
         self.signals.append(signum)
 
     def start(self, count):
-        self.votes = torch.tensor([len(self.signals), int(count)], dtype=torch.int64)
+        self.count = int(count)
         if self.world.world_size > 1:
+            self.votes = torch.tensor([len(self.signals), self.count], dtype=torch.int64)
             self.reduction = dist.all_reduce(self.votes, group=self.world.gloo_group, async_op=True)
 
     def finish(self):
-        if self.world.world_size > 1:
-            self.reduction.wait()
-            self.reduction = None  # The finished all-reduce holds the group, which must be freed.
-        else:
-            self.votes[0] = len(self.signals)  # One process reads its notes as late as it can.
+        if self.world.world_size == 1:  # One process reads its notes as late as it can.
+            self.should_stop = len(self.signals) > 0
+            self.step_items = self.count
+            return
+        self.reduction.wait()
+        self.reduction = None  # The finished all-reduce holds the group, which must be freed.
         signals, self.step_items = self.votes.tolist()
         self.should_stop = signals > 0
 
@@ -1244,8 +1262,10 @@ def spawn(processes, argv):
 
 def round_store(timeout):
     """Return a store for this round of workers alone, so that a restarted run does not wait for
-    workers that are gone. A round is one start of the workers, and torchrun starts a new round at
-    each restart and each change of nodes. Without torchrun's shared store, it returns None.
+    workers that are gone. A store is the key-value server where the processes find each other
+    when they join the process group. A round is one start of the workers, and torchrun starts a
+    new round at each restart and each change of nodes. Without torchrun's shared store, it
+    returns None.
 
     Trap: torchrun 2.5 and later keeps one store for all the rounds of a job. The keys that the
     old round's process group wrote are still there, and a new round would read them and wait for
@@ -1414,10 +1434,11 @@ import torch.distributed.nn.functional  # noqa: E402, F401
 def destroy_process_group_gloo_last(world):
     """Trap: On torch before 2.8, destroy_process_group() can hang (pytorch#154976). It frees gloo's
     backend while it holds the GIL, and the backend waits for its threads, which wait for the GIL.
-    So we keep a reference to the backend, and destroy_process_group() cannot free it. Our `del`
-    frees it last. torch's Python handle lets go of the GIL before it frees a backend, so gloo's
-    threads can finish. The version tier on torch 2.4.1 guards it, where runs of two processes
-    would hang at exit now and then. On torch 2.8 and later, destroy_process_group() is enough."""
+    So we keep a reference to the backend, which torch's private _get_backend() gives, and
+    destroy_process_group() cannot free it. Our `del` frees it last. torch's Python handle lets go
+    of the GIL before it frees a backend, so gloo's threads can finish. The version tier on torch
+    2.4.1 guards it, where runs of two processes would hang at exit now and then. On torch 2.8 and
+    later, destroy_process_group() is enough."""
     gloo_backend = world.gloo_group._get_backend(torch.device("cpu"))
     world.gloo_group = None  # Then only gloo_backend keeps the backend alive.
     dist.destroy_process_group()
