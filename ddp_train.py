@@ -341,7 +341,6 @@ class TrainState:
     # of those steps on all ranks, because the stop vote gives each step's count over all ranks.
     pending_sums: dict = dataclasses.field(default_factory=dict)
     pending_count: int = 0
-    epoch_started: float = dataclasses.field(default_factory=time.perf_counter)
     epoch_seconds: float = 0.0  # This is the time of the epoch's steps, up to the last one trained.
 
 
@@ -376,19 +375,19 @@ def train(args, world):
     for epoch in range(progress.step // plan.steps_per_epoch, plan.epochs):
         last_step_of_epoch = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
         state.sampler.set_epoch(epoch)  # Trap: Without it, every epoch repeats the first shuffle.
-        # A resumed epoch skips the steps that it has already trained.
+        # A resumed epoch skips the steps that it has already trained, and it keeps its totals.
         state.batch_sampler.skip_steps = progress.step - epoch * plan.steps_per_epoch
-        # A new epoch starts its totals, and an epoch that a resume continues keeps them.
-        if progress.step == epoch * plan.steps_per_epoch:
+        if state.batch_sampler.skip_steps == 0:  # A new epoch starts its totals.
             progress.epoch_totals = Totals()
-        state.epoch_started = time.perf_counter()
+        epoch_started = time.perf_counter()
         micro_batches = iter(state.loader)  # Each step takes its --grad-accum batches from here.
         for step in range(progress.step + 1, last_step_of_epoch + 1):
             log_now = args.log_every > 0 and step % args.log_every == 0
             batches = [next(micro_batches) for _ in range(plan.grad_accum)]
             lr, grad_norm = train_step(args, world, state, batches, stop, want_norm=log_now)
-            progress.step, progress.lr = step, lr
-            state.epoch_seconds = time.perf_counter() - state.epoch_started
+            progress.step = step
+            progress.lr = lr
+            state.epoch_seconds = time.perf_counter() - epoch_started
             speed.add(stop.step_items)  # The stop vote counted the step's items on all ranks.
             # After the step come the loss all_reduce, the progress record, model.pt, the save,
             # report(), the stop and the evaluation, in this order.
@@ -616,7 +615,8 @@ def evaluate_if_due(args, world, state, kinds_written):
     writes the epoch or eval record and gives it to report(). An epoch record evaluates too, so no
     eval record comes beside it. A record whose kind is in kinds_written is in metrics.jsonl
     already, and it is not made again."""
-    plan, step = state.plan, state.progress.step
+    plan = state.plan
+    step = state.progress.step
     at_epoch_end = step % plan.steps_per_epoch == 0 or step == plan.total_steps
     has_eval_set = len(state.eval_loader.dataset) > 0
     eval_now = has_eval_set and args.eval_every > 0 and step % args.eval_every == 0
@@ -637,7 +637,9 @@ def evaluate_if_due(args, world, state, kinds_written):
 
 def epoch_metrics(world, state):
     """Return an epoch record's training metrics: its means, its items, its rate and its seconds."""
-    totals, plan, step = state.progress.epoch_totals, state.plan, state.progress.step
+    totals = state.progress.epoch_totals
+    plan = state.plan
+    step = state.progress.step
     steps = (step - 1) % plan.steps_per_epoch + 1  # This counts the epoch's steps up to this one.
     metrics = totals.means("train_")
     metrics["train_samples"] = steps * plan.global_batch
@@ -678,8 +680,10 @@ class Throughput:
     trains."""
 
     def __init__(self, first_step, total_steps):
-        self.last_step, self.total_steps = first_step, total_steps
-        self.last_time, self.items = time.perf_counter(), 0
+        self.total_steps = total_steps
+        self.last_step = first_step  # This is the step of the last call to metrics().
+        self.last_time = time.perf_counter()
+        self.items = 0  # This counts the items since the last call to metrics().
 
     def add(self, count):
         self.items += count
@@ -690,7 +694,9 @@ class Throughput:
         seconds = now - self.last_time
         eta_s = seconds / (step - self.last_step) * (self.total_steps - step)
         speed = {f"{COUNT_UNIT}_per_s": self.items / seconds, "eta_s": eta_s}
-        self.last_step, self.last_time, self.items = step, now, 0
+        self.last_step = step
+        self.last_time = now
+        self.items = 0
         return speed
 
 
