@@ -1377,14 +1377,17 @@ def loss_and_count(task, model, batch, args):
     """Return the loss of a batch and the count of its items, from a copy of today's script or an
     older one."""
     output = call_task(task["compute_loss"], model, batch, args)
-    if "count_items" in task:
-        return output[0] if isinstance(output, tuple) else output, task["count_items"](batch)
-    return output[0], output[1]
+    if "count_items" not in task:  # An older copy's compute_loss returns (loss, count, ...).
+        return output[0], output[1]
+    loss = output
+    if isinstance(output, tuple):  # Today's compute_loss may return (loss, metrics).
+        loss = output[0]
+    return loss, task["count_items"](batch)
 
 
 def call_task(function, *arguments):
-    """Call a task function as the script's call_task does, with as many of the arguments as it
-    takes. A script older than call_task passes no args to compute_loss, and then args is None."""
+    """Call a task function with as many of the arguments as it takes, as older copies of the
+    script did. A copy older than that passes no args to compute_loss, and then args is None."""
     parameters = inspect.signature(function).parameters
     return function(*arguments[: len(parameters)])
 
