@@ -1,0 +1,769 @@
+"""This is make check's wrapper. check_copy.py copies it under the name of the user's script and runs
+it in the script's place, with the script's flags and task functions. What the CHECK_* variables ask
+for is installed around the task functions. The wrapper's own files go to CHECK_RECORDS."""
+
+import collections
+import hashlib
+import importlib.util
+import inspect
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+import torch
+from torch.utils.data import DataLoader
+
+env = os.environ
+RANK = env.get("RANK", "0")
+# The wrapper runs with CHECK_RECORDS set. A test may import it without.
+RECORDS = env.get("CHECK_RECORDS", ".")
+# Check 2's launches run the user's loop and loss with BatchNorm at fixed statistics, dropout off
+# and the Dataset's draws seeded per item, so that N x B and 1 x N*B must train the same weights.
+NEUTRAL = "CHECK_NEUTRAL" in env
+# This is True while the wrapper writes its records, so that the audit leaves them out.
+own_write = False
+
+
+def record(name, line):
+    global own_write
+    own_write = True
+    try:
+        with open(os.path.join(RECORDS, name), "a") as f:
+            f.write(line + "\n")
+    finally:
+        own_write = False
+
+
+def audit(event, args):
+    """Record the writes of a non-zero rank, anywhere, because rank 0 alone writes."""
+    if own_write:
+        return
+    if event == "open":
+        path, mode, flags = args
+        writing = (
+            any(c in mode for c in "wax+")
+            if isinstance(mode, str)
+            else bool((flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+        )
+        if not writing or not isinstance(path, (str, bytes, os.PathLike)):
+            return
+    elif event in ("os.rename", "os.remove", "os.truncate"):  # A new directory is not a file.
+        # shutil.rmtree removes a directory's files by their names, relative to its descriptor.
+        path, dir_fd = args[0], -1  # A dir_fd of -1 means the path alone.
+        if event == "os.remove":
+            dir_fd = args[1]
+        elif event == "os.rename":
+            dir_fd = args[2]
+        if dir_fd != -1 and not os.path.isabs(path):
+            path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), os.fsdecode(path))
+    else:
+        return
+    path = os.fsdecode(path)
+    if "__pycache__" not in path and not path.startswith(("/dev/", "/proc/")):
+        record(f"writes.{RANK}", json.dumps([event, os.path.abspath(path)]))
+
+
+def load_user_script(path):
+    """Return the user's script as a module, which is what `python SCRIPT` defines, and the module
+    that trains. The module that trains is the script itself where it is a copy of ddp_train.py
+    with its own train() and task functions. Otherwise it is the ddp_train that the script imports
+    and sets the task functions of."""
+    # The script's imports then resolve as they would in its own run.
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    user = importlib.util.module_from_spec(spec)
+    sys.modules[name] = user
+    spec.loader.exec_module(user)
+    copy = getattr(getattr(user, "train", None), "__module__", None) == name
+    target = user if copy else sys.modules.get("ddp_train")
+    if target is None or not callable(getattr(user, "main", None) or getattr(target, "main", None)):
+        sys.exit(f"{path}: make check runs a copy of ddp_train.py, or a script that imports it")
+    return user, target
+
+
+def item_digest(item):
+    """Return a hash of an item's values. The values may be tensors, arrays, numbers, strings, and
+    any nesting of them."""
+    h = hashlib.sha256()
+
+    def feed(x):
+        if torch.is_tensor(x):
+            x = x.detach().cpu().contiguous()
+            h.update(f"{x.dtype}{tuple(x.shape)}".encode())
+            h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif hasattr(x, "tobytes"):
+            h.update(x.tobytes())
+        elif isinstance(x, dict):
+            for k in x:
+                feed(k)
+                feed(x[k])
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                feed(v)
+        else:
+            h.update(repr(x).encode())
+
+    feed(item)
+    return h.hexdigest()[:16]
+
+
+def describe(dataset):
+    """Return the Dataset's length and the hashes of 8 of its items, spread over it. Each item is
+    read from a random state of its index, and this also holds for an augmenting Dataset. Then the
+    item is read again from another state. Where the two reads differ, the Dataset draws random
+    numbers as it reads. A third read from the first state tells whether the draws come from
+    generators of the Dataset's own, which no seed outside reaches."""
+    if dataset is None or not hasattr(dataset, "__len__"):
+        return None
+    n = len(dataset)
+    picked = sorted({i * (n - 1) // 7 for i in range(8)}) if n else []
+    states = random_states()
+    digests, random_reads, own_draws = [], False, False
+    for i in picked:
+        reads = []
+        for seed in (i, i + 1, i):
+            seed_all(seed)
+            reads.append(item_digest(dataset[i]))
+        digests.append(reads[0])
+        random_reads |= reads[0] != reads[1]
+        own_draws |= reads[0] != reads[2]
+    set_random_states(states)
+    described = {"len": n, "picked": picked, "digests": digests, "random_reads": random_reads}
+    return described | {"own_draws": own_draws}
+
+
+class Recorded(torch.utils.data.Dataset):
+    """A Recorded set holds the first `size` items of a Dataset for RecordedLoader. The tag is train
+    or eval."""
+
+    def __init__(self, dataset, tag, size):
+        self.dataset, self.tag, self.size = dataset, tag, min(size, len(dataset))
+        # The probe keeps each item that it reads here, and read_items explains why.
+        self.kept = None
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        return read_item(self.dataset, i) if NEUTRAL else self.dataset[i]
+
+    def __getitems__(self, indices):
+        if NEUTRAL:
+            return read_items(self.dataset, indices)
+        if callable(getattr(self.dataset, "__getitems__", None)):
+            return self.dataset.__getitems__(indices)
+        return [self.dataset[i] for i in indices]
+
+    def __getattr__(self, name):  # Code that reads the Dataset's own attributes gets them here.
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+class TakenBatches:
+    """This puts a batch sampler's batches in a queue as the DataLoader takes them. The DataLoader
+    takes them ahead of the loop."""
+
+    def __init__(self, batches):
+        self.batches, self.taken = batches, collections.deque()
+
+    def __iter__(self):
+        # A new pass starts with an empty queue, because a pass that was left early loaded some
+        # batches ahead.
+        self.taken = collections.deque()
+        for indices in self.batches:
+            self.taken.append(indices)
+            yield indices
+
+    def __len__(self):
+        return len(self.batches)
+
+
+class RecordedLoader(DataLoader):
+    """This is the script's DataLoader. For a Recorded set, it records each batch's indices when
+    the loop gets the batch. So the records hold the batches that the loop trained or evaluated, in
+    order, with DataLoader workers or without them."""
+
+    def __init__(self, *args, **kwargs):
+        bound = inspect.signature(DataLoader).bind(*args, **kwargs).arguments
+        dataset = bound["dataset"]
+        self.tag = dataset.tag if isinstance(dataset, Recorded) else None
+        # With a tag, its batch sampler, or the one that DataLoader would make, goes into a
+        # TakenBatches.
+        if self.tag:
+            batches = bound.pop("batch_sampler", None)
+            if batches is None:
+                sampler = bound.pop("sampler", None)
+                if sampler is None and bound.pop("shuffle", False):
+                    sampler = torch.utils.data.RandomSampler(
+                        dataset, generator=bound.get("generator")
+                    )
+                sampler = sampler or torch.utils.data.SequentialSampler(dataset)
+                size, drop_last = bound.pop("batch_size", 1), bound.pop("drop_last", False)
+                batches = torch.utils.data.BatchSampler(sampler, size, drop_last)
+            bound["batch_sampler"] = TakenBatches(batches)
+        super().__init__(**bound)
+
+    def __iter__(self):
+        # This calls it now, because iter() starts the workers, as the script expects.
+        iterator = super().__iter__()
+        return self.recorded(iterator) if self.tag else iterator
+
+    def recorded(self, iterator):
+        if self.tag == "eval":  # This line starts an evaluation, and check 6 reads the last one.
+            record(f"reads.{RANK}", "eval")
+        for batch in iterator:
+            indices = self.batch_sampler.taken.popleft()
+            record(f"reads.{RANK}", f"{self.tag} {' '.join(map(str, indices))}")
+            yield batch
+
+
+def stop_torchrun():
+    """Send SIGTERM to torchrun, as a scheduler does when it stops a job. Return once torchrun has
+    passed the signal on to this process."""
+    script_handler, got = signal.getsignal(signal.SIGTERM), []
+
+    def note(signum, frame):
+        got.append(signum)
+        if callable(script_handler):
+            script_handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, note)
+    os.kill(os.getppid(), signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    signal.signal(signal.SIGTERM, script_handler)
+    # The script's loop handles no signal, so the signal takes its default action.
+    if not callable(script_handler):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def install(target):
+    """Install the check's pieces around the task functions that the run calls."""
+    # These are the user's functions. A copy of today's script counts a batch's items with
+    # count_items(), and an older copy's compute_loss returns the count.
+    names = ("build_datasets", "build_model", "compute_loss", "report", "count_items")
+    task = {name: getattr(target, name) for name in names if hasattr(target, name)}
+    training_calls = [0]
+    built = {}  # This keeps the user's Datasets as build_datasets gave them.
+    neutral = {}  # This keeps the SGD rate and the BatchNorm statistics of check 2's launches.
+
+    def neutral_settings():
+        """Compute the check's SGD rate and BatchNorm statistics once in this process. They come
+        from the same items at the initial weights in every process, so they are the same. The
+        task code runs as in one plain process, without a rank, so that a model whose initial
+        weights depend on the rank gives every process rank 0's, as DDP does."""
+        if not neutral:
+            states, kept = random_states(), dict(built)
+            launcher = {name: env.pop(name) for name in ("RANK", "LOCAL_RANK") if name in env}
+            try:
+                neutral["rate"] = sgd_rate(target, task, sys.argv[1:])
+                neutral["statistics"] = calibrate_batch_norms(target, task, sys.argv[1:])
+            finally:
+                env.update(launcher)
+                built.update(kept)
+                set_random_states(states)
+        return neutral
+
+    def build_datasets(args):
+        train_set, eval_set = task["build_datasets"](args)
+        built.update(train=train_set, eval=eval_set)
+        if hasattr(train_set, "__len__"):
+            train_set = Recorded(train_set, "train", int(env["CHECK_TRAIN_ITEMS"]))
+        if eval_set is not None and hasattr(eval_set, "__len__"):
+            eval_set = Recorded(eval_set, "eval", int(env["CHECK_EVAL_ITEMS"]))
+        return train_set, eval_set
+
+    def build_model(args):
+        model = task["build_model"](args)
+        if NEUTRAL and batch_norms(model):
+            freeze_batch_norms(model, neutral_settings()["statistics"])
+        # Rank 0 saves its weights, because DDP sends rank 0's weights to all ranks.
+        if "CHECK_INITIAL" in env and RANK == "0":
+            torch.save(model.state_dict(), os.path.join(RECORDS, "initial.pt"))
+        return model
+
+    # The wrappers take the arguments of the script's calls, which older copies make with fewer.
+    def compute_loss(model, batch, *args):
+        if model.training:
+            training_calls[0] += 1
+            # Describe the sets once this rank trains. By then the script has seeded each rank and
+            # made its first reads.
+            if training_calls[0] == 1 and "CHECK_DESCRIBE" in env:
+                sets = {part: describe(dataset) for part, dataset in built.items()}
+                record(f"data.{RANK}", json.dumps(sets))
+            first_run = env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if RANK == "0" and first_run and training_calls[0] == int(env.get("CHECK_STOP_AT", 0)):
+                stop_torchrun()
+        return call_task(task["compute_loss"], model, batch, *args or [None])
+
+    def report(record_, args, model):
+        record("records.jsonl", json.dumps(record_))
+        task["report"](record_, args, model)
+
+    target.build_datasets, target.build_model = build_datasets, build_model
+    target.compute_loss, target.report = compute_loss, report
+    target.DataLoader = RecordedLoader
+    if NEUTRAL:
+        switch_off_dropout()
+    # Plain SGD at the check's rate times CHECK_SGD lets the scale of a gradient show.
+    if "CHECK_SGD" in env:
+
+        def build_optimizer(args, model, *plan):
+            rate = neutral_settings()["rate"] * float(env["CHECK_SGD"])
+            return torch.optim.SGD(model.parameters(), lr=rate)
+
+        def build_scheduler(args, optimizer, *plan):
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+        target.build_optimizer, target.build_scheduler = build_optimizer, build_scheduler
+    return task
+
+
+def loss_and_count(task, model, batch, args):
+    """Return the loss of a batch and the count of its items, from a copy of today's script or an
+    older one."""
+    output = call_task(task["compute_loss"], model, batch, args)
+    if "count_items" not in task:  # An older copy's compute_loss returns (loss, count, ...).
+        return output[0], output[1]
+    loss = output
+    if isinstance(output, tuple):  # Today's compute_loss may return (loss, metrics).
+        loss = output[0]
+    return loss, task["count_items"](batch)
+
+
+def call_task(function, *arguments):
+    """Call a task function with as many of the arguments as it takes, as older copies of the
+    script did. A copy older than that passes no args to compute_loss, and then args is None."""
+    parameters = inspect.signature(function).parameters
+    return function(*arguments[: len(parameters)])
+
+
+def to_float64(batch):
+    """Return a batch with its floating tensors in float64, for the check's independent figures."""
+    if torch.is_tensor(batch):
+        return batch.double() if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {k: to_float64(v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*map(to_float64, batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map(to_float64, batch))
+    return batch
+
+
+def read(dataset, indices):
+    """Read items of a Recorded set, as read_items reads them."""
+    return read_items(dataset.dataset, indices, dataset.kept)
+
+
+def seed_all(seed):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed)
+
+
+def random_states():
+    numpy = sys.modules.get("numpy")
+    return torch.get_rng_state(), random.getstate(), numpy and numpy.random.get_state()
+
+
+def set_random_states(states):
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    if states[2] is not None:
+        sys.modules["numpy"].random.set_state(states[2])
+
+
+def read_items(dataset, indices, kept=None):
+    """Read items as the DataLoader fetches them. Each item is read from a random state of its own
+    index, so a Dataset that draws random numbers gives an item the same values each time, alone
+    or in a batch, in any process. A Dataset with __getitems__, such as torch's Subset, reads one
+    index at a time, and the parts are joined into the batch that it would give. The global
+    random state is put back afterwards. Where `kept` is a dict, an item is read only once and
+    kept there by its index. The probe compares losses over the same items in several batches,
+    and a Dataset that draws from generators of its own gives new values at every read."""
+    states = random_states()
+    try:
+        reads_batches = callable(getattr(dataset, "__getitems__", None))
+        parts = []
+        for i in indices:
+            if kept is not None and i in kept:
+                parts.append(kept[i])
+                continue
+            seed_all(i)
+            parts.append(dataset.__getitems__([i]) if reads_batches else dataset[i])
+            if kept is not None:
+                kept[i] = parts[-1]
+        if not reads_batches:
+            return parts
+        if all(isinstance(part, list) for part in parts):  # Subset gives a list of items.
+            return [item for part in parts for item in part]
+        if all(isinstance(part, tuple) and all(map(torch.is_tensor, part)) for part in parts):
+            # This is a batch of tensors.
+            return tuple(torch.cat(fields) for fields in zip(*parts))
+        values = [value for part in parts if isinstance(part, dict) for value in part.values()]
+        if all(isinstance(part, dict) for part in parts) and all(map(torch.is_tensor, values)):
+            # This is a dict of tensors.
+            return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+        # A batch of another kind is read at once, from one random state.
+        seed_all(indices[0])
+        return dataset.__getitems__(indices)
+    finally:
+        set_random_states(states)
+
+
+def read_item(dataset, i):
+    """Read one item from the random state of its index, as read_items reads it."""
+    states = random_states()
+    try:
+        seed_all(i)
+        return dataset[i]
+    finally:
+        set_random_states(states)
+
+
+F = torch.nn.functional
+DROPOUT_FUNCTIONS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout")
+DROPOUT_FUNCTIONS += ("feature_alpha_dropout",)
+DROPOUT_MODULES = (torch.nn.modules.dropout._DropoutNd,)
+# This set collects the dropout functions that the model called with a rate above 0.
+dropouts_seen = set()
+
+
+def switch_off_dropout():
+    """Make every dropout an identity. This covers torch's dropout functions, which nn.Dropout calls
+    and a model may call itself, and the dropout_p of F.scaled_dot_product_attention. It returns a
+    function that puts them back."""
+    originals = {name: getattr(F, name) for name in DROPOUT_FUNCTIONS}
+    originals["scaled_dot_product_attention"] = F.scaled_dot_product_attention
+
+    def identity(name):
+        def dropout(input, p=0.5, *args, **kwargs):
+            if p:
+                dropouts_seen.add(name)
+            return input
+
+        return dropout
+
+    def attention(*args, **kwargs):
+        args = list(args)
+        if len(args) > 4:  # dropout_p is the fifth parameter.
+            rate, args[4] = args[4], 0.0
+        else:
+            rate, kwargs["dropout_p"] = kwargs.get("dropout_p", 0.0), 0.0
+        if rate:
+            dropouts_seen.add("scaled_dot_product_attention")
+        return originals["scaled_dot_product_attention"](*args, **kwargs)
+
+    for name in DROPOUT_FUNCTIONS:
+        setattr(F, name, identity(name))
+    F.scaled_dot_product_attention = attention
+    return lambda: [setattr(F, name, function) for name, function in originals.items()]
+
+
+def batch_norms(model):
+    """Return the BatchNorm layers that keep running statistics, by name."""
+    kind = torch.nn.modules.batchnorm._BatchNorm
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, kind) and module.running_mean is not None
+    }
+
+
+def freeze_batch_norms(model, statistics):
+    """Make each BatchNorm normalise with the calibrated statistics, as in eval mode, for good. Even
+    an edited loop's model.train() leaves it in eval mode."""
+    for name, module in batch_norms(model).items():
+        module.running_mean.copy_(statistics[f"{name}.running_mean"])
+        module.running_var.copy_(statistics[f"{name}.running_var"])
+        module.eval()
+        module.train = lambda mode=True, module=module: module
+
+
+def initial_task(target, task, argv):
+    """Return the flags, the training set and the model at its initial weights. They are built and
+    seeded as the script builds them."""
+    args = target.parse_args(argv)
+    seed = getattr(target, "seed_everything", torch.manual_seed)
+    # The script seeds before build_datasets and again before build_model, and so does this code.
+    seed(args.seed)
+    train_set, _ = target.build_datasets(args)
+    seed(args.seed)
+    return args, train_set, task["build_model"](args)
+
+
+def calibrate_batch_norms(target, task, argv):
+    """Compute the statistics of each BatchNorm at the initial weights, over the first training
+    items that the launches train, with dropout off. They are an average over all those items, so
+    they normalise as well as batch statistics, and every launch gets the same ones."""
+    args, train_set, model = initial_task(target, task, argv)
+    norms = batch_norms(model)
+    if not norms:
+        return {}
+    batch_size = int(env["CHECK_GLOBAL_BATCH"])
+    for module in norms.values():
+        module.reset_running_stats()
+        module.momentum = None  # None gives a cumulative average over the batches.
+    model.train()
+    restore = switch_off_dropout()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(train_set), batch_size):
+                indices = list(range(start, min(start + batch_size, len(train_set))))
+                batch = target.collate_fn(read_items(train_set.dataset, indices))
+                call_task(task["compute_loss"], model, batch, args)
+    finally:
+        restore()
+    return {
+        f"{name}.{buffer}": getattr(module, buffer).clone()
+        for name, module in norms.items()
+        for buffer in ("running_mean", "running_var")
+    }
+
+
+class Losses:
+    """Losses computes compute_loss over batches of a Dataset at given weights. Each batch gets a
+    model of its own, made afresh, as a fresh process computes it. So a layer with state starts from
+    the state in the weights."""
+
+    def __init__(self, args, task, collate_fn, statistics=None):
+        self.args, self.task, self.collate_fn = args, task, collate_fn
+        # These are BatchNorm's calibrated statistics, as check 2 fixes them.
+        self.statistics = statistics
+
+    def model(self, weights, train, float64=False):
+        model = self.task["build_model"](self.args)
+        model.load_state_dict(torch.load(weights, weights_only=True))
+        model.train(train)
+        if self.statistics is not None:
+            freeze_batch_norms(model, self.statistics)
+        return model.double() if float64 else model
+
+    def mean(self, weights, train, dataset, batches, float64=False, seed=0):
+        """Return the count-weighted mean of compute_loss over batches, and the count. Each batch
+        is a list of indices. `train` sets training mode or not. The model's random draws, such as
+        dropout, come from `seed`."""
+        total, count = 0.0, 0.0
+        for indices in batches:
+            model = self.model(weights, train, float64)
+            batch = self.collate_fn(read(dataset, indices))
+            seed_all(seed)
+            batch = to_float64(batch) if float64 else batch
+            loss, n = loss_and_count(self.task, model, batch, self.args)
+            total += float(loss) * float(n)
+            count += float(n)
+        return (total / count if count else 0.0), count
+
+    def mean_float64(self, weights, train, dataset, batches):
+        """Return (mean, count) and the precision. The precision is float64 where the model and
+        compute_loss allow it."""
+        try:
+            return self.mean(weights, train, dataset, batches, float64=True), "float64"
+        except Exception:
+            return self.mean(weights, train, dataset, batches), "float32"
+
+
+def probe(target, task, argv, inputs):
+    """Compute the figures that checks 2, 3 and 7 compare the launches with. This runs in one
+    process, without a process group. The inputs are the initial weights from torchrun's rank 0,
+    each rank's first micro-batch there, and the final weights from the python launch."""
+    args = target.parse_args(argv)
+    # The script seeds like this before build_datasets.
+    getattr(target, "seed_everything", torch.manual_seed)(args.seed)
+    # The Datasets are as the launches had them, because install()'s build_datasets gives their
+    # first items. The model and compute_loss are the user's own, from task.
+    train_set, eval_set = target.build_datasets(args)
+    train_set.kept = {}  # Each figure below compares losses over the same items, read once.
+    losses = Losses(args, task, target.collate_fn)
+    initial, final, micro_batches = inputs["initial"], inputs["final"], inputs["first_step"]
+    items = [i for batch in micro_batches for i in batch]
+    each = [[i] for i in items]
+    kinds = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.Dropout)
+    layers = task["build_model"](args).modules()
+    found = {"count_unit": target.COUNT_UNIT, "step_1": None, "eval_loss": None}
+    found["modules"] = sorted(
+        {type(m).__name__ for m in layers if isinstance(m, kinds) and m.training}
+    )
+    with torch.no_grad():
+        # One micro-batch from two random states gives the same loss, unless training draws
+        # random numbers.
+        draws = [
+            losses.mean(initial, True, train_set, micro_batches[:1], seed=s)[0] for s in (1, 2)
+        ]
+        found["random_in_training"] = draws[0] != draws[1]
+        # In evaluation there is no dropout and there are no batch statistics. Then a mean over a
+        # batch's count is the count-weighted mean of its items' losses, each computed alone. A sum
+        # is B times that mean.
+        alone = losses.mean(initial, False, train_set, each)[0]
+        found["batch_over_items"] = losses.mean(initial, False, train_set, micro_batches)[0] / alone
+        found["item_counts"] = [losses.mean(initial, False, train_set, [i])[1] for i in each]
+        # A mean of 2B items is the count-weighted mean of its halves' means. A sum of 2B items is
+        # the sum of its halves' sums.
+        both = losses.mean(initial, False, train_set, [items])[0]
+        halves = losses.mean(
+            initial, False, train_set, [items[: len(items) // 2], items[len(items) // 2 :]]
+        )[0]
+        found["loss_2b_over_b"] = both / halves if halves else 1.0
+        # In training, this tells whether a layer's output depends on the rest of the batch, as
+        # with BatchNorm.
+        try:
+            batched = losses.mean(initial, True, train_set, micro_batches)[0]
+            found["batch_dependent"] = abs(
+                losses.mean(initial, True, train_set, each)[0] - batched
+            ) > 1e-5 * abs(batched)
+        except Exception:  # BatchNorm of one item in training raises an error.
+            found["batch_dependent"] = True
+        found["stateful"] = stateful_layers(losses, initial, train_set, micro_batches[0])
+        # Compute step 1 item by item, or as each rank's micro-batch.
+        if not found["random_in_training"]:
+            per = micro_batches if found["batch_dependent"] else each
+            (found["step_1"], _), found["precision"] = losses.mean_float64(
+                initial, True, train_set, per
+            )
+        # The eval loss uses the final weights, with each eval item alone.
+        if eval_set is not None and len(eval_set):
+            per_item = [[i] for i in range(len(eval_set))]
+            (found["eval_loss"], _), _ = losses.mean_float64(final, False, eval_set, per_item)
+    found["load_error"] = load_error(task["build_model"](args), final)
+    statistics = calibrate_batch_norms(target, task, argv)
+    found["neutral"] = neutral_figures(losses, inputs, train_set, statistics)
+    return found
+
+
+def neutral_figures(losses, inputs, train_set, statistics):
+    """Return what check 2's launches neutralise, and what still differs from process to process
+    there. The launches hold BatchNorm at the calibrated statistics, switch dropout off, and read
+    each item from its own random state."""
+    neutral = Losses(losses.args, losses.task, losses.collate_fn, statistics)
+    initial, micro_batch = inputs["initial"], inputs["first_step"][0]
+    model = neutral.model(initial, True)
+    found = {
+        "batch_norms": collections.Counter(type(m).__name__ for m in batch_norms(model).values()),
+        "dropouts": sum(isinstance(m, DROPOUT_MODULES) for m in model.modules()),
+    }
+    dropouts_seen.clear()
+    restore = switch_off_dropout()
+    try:
+        with torch.no_grad():
+            draws = [
+                neutral.mean(initial, True, train_set, [micro_batch], seed=s)[0] for s in (1, 2)
+            ]
+            found["random"] = draws[0] != draws[1]
+            try:
+                alone = neutral.mean(initial, True, train_set, [[i] for i in micro_batch])[0]
+                found["mixing"] = abs(alone - draws[0]) > 1e-5 * abs(draws[0])
+            except Exception:  # A layer that mixes items may refuse a batch of one.
+                found["mixing"] = True
+            found["mixing_layer"] = None
+            if found["mixing"]:
+                found["mixing_layer"] = mixing_layer(neutral, initial, train_set, micro_batch)
+            found["stateful"] = stateful_layers(neutral, initial, train_set, micro_batch)
+    finally:
+        restore()
+    implied = {"dropout"} if found["dropouts"] else set()  # nn.Dropout calls F.dropout.
+    found["functions"] = sorted(dropouts_seen - implied)
+    return found
+
+
+def mixing_layer(losses, weights, dataset, items):
+    """Return the first layer, in the order that the forward calls them, whose output for the first
+    item changes when the rest of its batch is there. Return None when no layer does."""
+    outputs = {}
+    for run, indices in (("batch", items), ("alone", items[:1])):
+        model, outputs[run] = losses.model(weights, True), []
+        leaves = [m for m in model.modules() if not list(m.children())]
+        hooks = [
+            m.register_forward_hook(lambda m, i, o, run=run: outputs[run].append((m, o)))
+            for m in leaves
+        ]
+        seed_all(0)
+        try:
+            batch = losses.collate_fn(read(dataset, indices))
+            call_task(losses.task["compute_loss"], model, batch, losses.args)
+        except Exception:
+            return None
+        finally:
+            for hook in hooks:
+                hook.remove()
+    for (module, together), (_, alone) in zip(outputs["batch"], outputs["alone"]):
+        if not (torch.is_tensor(together) and torch.is_tensor(alone)) or together.dim() == 0:
+            continue
+        if together.dim() != alone.dim():
+            continue
+        first = together[tuple(slice(0, size) for size in alone.shape)]
+        if first.shape == alone.shape and not torch.allclose(first, alone, rtol=1e-4, atol=1e-5):
+            return type(module).__name__
+    return None
+
+
+def sgd_rate(target, task, argv):
+    """Find the one learning rate of the check's plain SGD. A step at the initial weights moves them
+    by 1% of their norm, so SGD cannot diverge where the user's --lr suits another optimizer, such
+    as Adadelta's 1.0. Every launch gets the same rate, so a loss summed over the ranks still trains
+    twice as fast as a mean."""
+    args, train_set, model = initial_task(target, task, argv)
+    model.train()
+    items = min(len(train_set), int(env["CHECK_GLOBAL_BATCH"]))
+    batch = target.collate_fn(read(train_set, list(range(items))))
+    output = call_task(task["compute_loss"], model, batch, args)
+    (output[0] if isinstance(output, tuple) else output).backward()
+    weights = torch.cat([p.detach().double().flatten() for p in model.parameters()]).norm()
+    grads = [p.grad.double().flatten() for p in model.parameters() if p.grad is not None]
+    gradient = torch.cat(grads).norm() if grads else torch.tensor(0.0)
+    if not (gradient > 0 and gradient.isfinite() and weights > 0):
+        return args.lr  # There is nothing to scale by, so the user's own rate stays.
+    return float(0.01 * weights / gradient)
+
+
+def stateful_layers(losses, weights, dataset, micro_batch):
+    """Return the kinds of layers whose buffers a forward in training moves, such as BatchNorm's
+    statistics or a running normalizer's. Their state is per process."""
+    model = losses.model(weights, True)
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    batch = losses.collate_fn(read(dataset, micro_batch))
+    call_task(losses.task["compute_loss"], model, batch, losses.args)
+    moved = [
+        name for name, buffer in model.named_buffers() if not torch.equal(buffer, before[name])
+    ]
+    return sorted({type(model.get_submodule(name.rpartition(".")[0])).__name__ for name in moved})
+
+
+def load_error(model, path):
+    """Return why model.pt does not load into build_model() with a strict load_state_dict, or
+    None."""
+    try:
+        model.load_state_dict(torch.load(path, weights_only=True))
+    except Exception as exc:
+        return " ".join(str(exc).split())[:300]
+    return None
+
+
+if __name__ == "__main__":
+    user, target = load_user_script(env["CHECK_SCRIPT"])
+    task = install(target)
+    if "CHECK_PROBE" in env:
+        with open(env["CHECK_PROBE"]) as f:
+            found = probe(target, task, sys.argv[1:], json.load(f))
+        record("probe.json", json.dumps(found))
+        sys.exit(0)
+    if RANK != "0":
+        sys.addaudithook(audit)
+        torch_save = torch.save
+
+        # torch.save writes a path from C++, so it raises no audit event. A script that does
+        # `from torch import save` escapes this.
+        def save(obj, f, *args, **kwargs):
+            if isinstance(f, (str, os.PathLike)):
+                audit("open", (f, "wb", None))
+            return torch_save(obj, f, *args, **kwargs)
+
+        torch.save = save
+    sys.exit(getattr(user, "main", target.main)())  # This runs it as `python SCRIPT` does.
