@@ -453,32 +453,40 @@ NEUTRAL_SGD = {"CHECK_SGD": 1, "CHECK_NEUTRAL": 1}
 LAUNCHES = {
     # Its last evaluation is check 6's evaluation on 1 process.
     "python": Planned("python", 2, 1, "python", dict(CHECK_DESCRIBE=1)),
-    "torchrun": Planned("torchrun", 1, 1, "torchrun", dict(CHECK_DESCRIBE=1, CHECK_INITIAL=1)),
+    "torchrun": Planned("torchrun", 1, 1, "torchrun", dict(CHECK_DESCRIBE=1)),
     # This launch gets SIGTERM in step 2. Then every rank is in the loop, because step 1's
     # all-reduce waited for all of them.
     "stopped": Planned("torchrun", 1, 1, "stopped", dict(CHECK_STOP_AT=2)),
     "spawn": Planned("spawn", 1, 1, "spawn", {}),
     # Check 2's launches are 1 x 2B, 2 x B, 1 x B x 2 accumulated, and the control at twice the
-    # rate. They run the user's loop and loss, with BatchNorm, dropout and the Dataset's draws
-    # neutralised.
+    # rate. They run the user's loop and loss, with BatchNorm, dropout, autocast and the Dataset's
+    # draws neutralised. Check 3 recomputes the first step of the launch of 2 processes.
     "single": Planned("python", 2, 1, "single", NEUTRAL_SGD | {"CHECK_DESCRIBE": 1}),
-    "pair": Planned("spawn", 1, 1, "pair", NEUTRAL_SGD),
+    "pair": Planned("spawn", 1, 1, "pair", NEUTRAL_SGD | {"CHECK_INITIAL": 1}),
     "accum": Planned("python", 1, 2, "accum", NEUTRAL_SGD),
     "grad_x2": Planned("python", 2, 1, "grad_x2", NEUTRAL_SGD | {"CHECK_SGD": 2}),
     # The resumed launch runs the same command as the stopped launch.
     "resumed": Planned("torchrun", 1, 1, "stopped", {}, after=("stopped",)),
     "eval_2": Planned("torchrun", 1, 1, "python", {}, eval_only=True, after=("python",)),
-    # One process computes the figures alone. It uses torchrun's first step and python's weights.
-    "probe": Planned("python", 2, 1, "python", {}, after=("python", "torchrun")),
+    # These evaluate python's checkpoint at --grad-accum 1 and 2. They draw the same random numbers,
+    # so their eval losses must be the same, unless compute_loss reads --grad-accum.
+    "eval_1": Planned("python", 2, 1, "python", {}, eval_only=True, after=("python",)),
+    "eval_accum": Planned("python", 2, 2, "python", {}, eval_only=True, after=("python",)),
+    # One process computes the figures alone. It uses the first step of pair and python's weights.
+    "probe": Planned("python", 2, 1, "python", {}, after=("python", "pair")),
+    # This is single with other draws of the model's random numbers. Check 2 runs it only for a
+    # model that draws them, to measure their noise.
+    "reseeded": Planned("python", 2, 1, "reseeded", NEUTRAL_SGD | {"CHECK_RESEED": 1}),
 }
 # Each check reads these launches.
 NEEDS = {
     1: ("python", "torchrun", "spawn"),
-    2: ("single", "pair", "accum", "grad_x2", "probe"),
-    3: ("python", "torchrun", "probe"),
+    # Check 2 reads torchrun and python to tell whether the data differ.
+    2: ("single", "pair", "accum", "grad_x2", "eval_1", "eval_accum", "probe", "torchrun"),
+    3: ("python", "torchrun", "pair", "probe"),
     4: ("python", "torchrun"),
     5: ("python", "torchrun", "stopped", "resumed"),  # python tells whether the data differ.
-    6: ("python", "torchrun", "eval_2"),  # torchrun tells whether the data differ.
+    6: ("python", "torchrun", "eval_2", "probe"),  # torchrun tells whether the data differ.
     7: ("probe",),
     8: ("torchrun",),
 }
@@ -629,15 +637,15 @@ class CopyCheck:
         return json.loads(self.lines(name, f"data.{rank}")[0])
 
     def probe_inputs(self) -> dict:
-        if not self.batches("torchrun", 0):
+        if not self.batches("pair", 0):
             raise RuntimeError(
                 "the wrapper saw no training batch: it follows a loop that makes its DataLoader "
                 "as DataLoader(...), the name the script imports"
             )
         return {
             # The initial weights are rank 0's, because DDP sends those.
-            "initial": str(self.records("torchrun") / "initial.pt"),
-            "first_step": [self.batches("torchrun", rank)[0] for rank in range(2)],
+            "initial": str(self.records("pair") / "initial.pt"),
+            "first_step": [self.batches("pair", rank)[0] for rank in range(2)],
             "final": str(self.work / "python/model.pt"),
         }
 
@@ -655,10 +663,18 @@ class CopyCheck:
 
 def script_said(result) -> str:
     """Return the line that the script stopped with, such as `NAME: error: ...`. Otherwise return
-    the last line of its stderr."""
+    the first exception line of a traceback, such as `OverflowError: math range error`, which names
+    the first failure. Otherwise return the last line of stderr that is not a banner of torchrun."""
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     said = [line for line in lines if ": error: " in line]
-    return one_line((said or lines or ["nothing on stderr"])[-1])
+    if said:
+        return one_line(said[-1])
+    exception = re.compile(r"^(\[rank\d+\]: ?)?([A-Za-z_][\w.]*(Error|Exception|Interrupt))(:|$)")
+    raised = [line for line in lines if exception.match(line)]
+    if raised:
+        return one_line(raised[0])
+    text = [line for line in lines if re.search(r"[A-Za-z]", line)]
+    return one_line((text or ["nothing on stderr"])[-1])
 
 
 def one_line(text) -> str:
@@ -703,20 +719,23 @@ def check_launch_modes(c: CopyCheck) -> Verdict:
     return Verdict(1, "pass", figure)
 
 
-def neutralised(n: dict, train: dict) -> str:
+def neutralised(n: dict, train: dict, autocast: bool) -> str:
     """Return what check 2's launches neutralised, for the check's line."""
     parts = [f"{kind} x {count} at fixed statistics" for kind, count in n["batch_norms"].items()]
     if n["dropouts"]:
         parts.append(f"Dropout x {n['dropouts']} off")
+    parts += [f"the dropout of {kind} x {count} off" for kind, count in n["rnn_dropouts"].items()]
+    if autocast:
+        parts.append("autocast off")
     parts += [f"the dropout of {name} off" for name in n["functions"]]
     if train["random_reads"] and not train["own_draws"]:
         parts.append("the Dataset's draws seeded per item")
     return ", ".join(parts)
 
 
-def differs_by_design(n: dict, train: dict) -> str:
+def differs_by_design(p: dict, train: dict) -> str:
     """Return why N x B and 1 x N*B still differ by design in check 2's launches, or ''."""
-    why = []
+    n, why = p["neutral"], []
     if n["stateful"]:
         why.append(f"in training, your model's {n['stateful'][0]} keeps state that training moves")
     elif n["mixing"]:
@@ -725,7 +744,10 @@ def differs_by_design(n: dict, train: dict) -> str:
             f"in training, your model's {layer} for an item depends on the rest of its batch"
         )
     if n["random"]:
-        why.append("your model draws random numbers in training, outside dropout")
+        call = f" ({n['random_call']})" if n["random_call"] else ""
+        why.append(f"your model or compute_loss draws random numbers in training{call}")
+    if p["collate_mixes"]:
+        why.append("your collate_fn mixes the items of a batch (mixup or cutmix?)")
     if train["own_draws"]:
         why.append("your Dataset draws from generators of its own, which the check cannot seed")
     return "; ".join(why) + (": each process its own, by design" if why else "")
@@ -733,8 +755,21 @@ def differs_by_design(n: dict, train: dict) -> str:
 
 def loss_mixes_items(p: dict) -> bool:
     """Return whether, in evaluation, a batch's loss differs from the count-weighted mean of its
-    items' losses. A sum or a mean of means makes it differ."""
+    items' losses. A sum or a mean of means makes it differ. A collate_fn that mixes items, or a
+    compute_loss that draws random numbers in evaluation, makes it differ too, and then the check
+    cannot tell."""
+    if p["collate_mixes"] or p["eval_random"]:
+        return False
     return relative(p["batch_over_items"], 1.0) > TOLERANCE
+
+
+def eval_loss_of(c: CopyCheck, name) -> float:
+    """Return the eval loss of an --eval-only launch, as its report() got it."""
+    return json.loads(c.lines(name, "records.jsonl")[-1])["eval_loss"]
+
+
+# Under random draws, a gap counts when it exceeds this many times the gap that other draws give.
+NOISE_FACTOR = 10
 
 
 def check_equivalence(c: CopyCheck) -> Verdict:
@@ -743,21 +778,45 @@ def check_equivalence(c: CopyCheck) -> Verdict:
     # The control trains the same way at 2 x the rate.
     control = weights_gap(c.results["grad_x2"].weights, one_process)
     p, train = c.probe(), c.data("single", 0)["train"]
-    neutral = neutralised(p["neutral"], train)
+    neutral = neutralised(p["neutral"], train, autocast=bool(c.lines("single", "autocast.0")))
+    accum_1, accum_2 = eval_loss_of(c, "eval_1"), eval_loss_of(c, "eval_accum")
     figure = (
         f"2 x {c.b} and 1 x {c.g} differ by {gap['pair']:.1e}, 1 x {c.b} x 2 accumulated by "
         f"{gap['accum']:.1e} (relative, of the weights; tolerance {TOLERANCE:g}; at twice the "
         f"learning rate, as a loss summed over 2 ranks trains: {control:.1e}, which must exceed "
         f"{100 * TOLERANCE:g} to tell; plain SGD, installed by the check"
         + (f"; {neutral})" if neutral else ")")
+        + f"; --eval-only of one checkpoint at --grad-accum 1 and 2: {accum_1:.7g} and {accum_2:.7g}"
     )
-    design = differs_by_design(p["neutral"], train)
+    # The same checkpoint and the same draws give the same eval loss, whatever the model draws.
+    if relative(accum_2, accum_1) > TOLERANCE:
+        return Verdict(
+            2, "FAIL", figure, "compute_loss reads --grad-accum, so its loss changes with it (a "
+            "loss divided by --grad-accum, which the loop does already?)",
+        )  # fmt: skip
+    limit = TOLERANCE  # This is the largest gap that the model's design explains.
+    design = differs_by_design(p, train)
     # A loss that mixes items does not do so by design.
     if design and not loss_mixes_items(p):
-        return Verdict(2, "n/a", f"{figure}: {design}")
+        n = p["neutral"]
+        only_draws = n["random"] and not (n["stateful"] or p["collate_mixes"] or train["own_draws"])
+        if not only_draws or max(gap.values()) <= TOLERANCE:
+            return Verdict(2, "n/a", f"{figure}: {design}")
+        # Another seed of the same launch shows how far the draws alone move the weights.
+        c.run_launches({"reseeded"})
+        if c.launch_problem(["reseeded"]):
+            return Verdict(2, "n/a", f"{figure}: {design}; {c.launch_problem(['reseeded'])}")
+        noise = weights_gap(c.results["reseeded"].weights, one_process)
+        limit = NOISE_FACTOR * max(noise, TOLERANCE)
+        figure += f"; other draws of the random numbers move 1 x {c.g} by {noise:.1e}"
+        if max(gap.values()) <= limit:
+            return Verdict(
+                2, "n/a", f"{figure}, and the gaps are within {NOISE_FACTOR} times that: {design}"
+            )
+        figure += f", and a gap exceeds {NOISE_FACTOR} times that"
     if control < 100 * TOLERANCE:
         return Verdict(2, "n/a", f"{figure}: the weights move too little to tell")
-    if max(gap["pair"], gap["accum"]) <= TOLERANCE:
+    if max(gap.values()) <= limit:
         return Verdict(2, "pass", figure)
     if check_same_data(c).status == "FAIL":
         cause = "the processes train on different data (see 4)"
@@ -765,12 +824,12 @@ def check_equivalence(c: CopyCheck) -> Verdict:
         cause = "compute_loss returns a sum, which grows with the batch (see 3)"
     elif loss_mixes_items(p):
         cause = "compute_loss's loss is not the mean over its count items (see 3)"
-    elif gap["pair"] <= TOLERANCE:
+    elif gap["pair"] <= limit:
         cause = (
             "the loop weighs the micro-batches of an accumulated step wrongly: each mean weighs its "
             "count over the step's count (a loss divided by --grad-accum twice?)"
         )
-    elif gap["accum"] <= TOLERANCE:
+    elif gap["accum"] <= limit:
         cause = (
             "the loop weighs the ranks wrongly, or their gradients are not averaged: each rank's "
             "mean weighs its count over the step's count, times the world size"
@@ -786,41 +845,56 @@ def check_equivalence(c: CopyCheck) -> Verdict:
 
 def check_mean(c: CopyCheck) -> Verdict:
     p, figures, causes = c.probe(), [], []
+    n = p["neutral"]
     ratio, per_item = p["loss_2b_over_b"], p["batch_over_items"]
-    figures.append(
-        f"in evaluation, a batch's loss / the count-weighted mean of its items' = {per_item:.4f} "
-        f"(a mean: 1); {c.g} items' / their two halves' = {ratio:.3f} (a sum: 2)"
-    )
+    figures.append(f"in evaluation, {c.g} items' loss / their two halves' = {ratio:.3f} (a sum: 2)")
     if ratio > 1.5:
         causes.append(
             "compute_loss returns a sum, which grows with the batch: return the mean over its "
             "count items (F.cross_entropy's default reduction)"
         )
-    elif loss_mixes_items(p):
-        causes.append(
-            "compute_loss weighs a batch's items otherwise than by their count (a mean of "
-            "per-sample means?): return the mean over all the items its count counts"
-        )
-    if p["random_in_training"] or c.data("torchrun", 0)["train"]["random_reads"]:
-        what = "training" if p["random_in_training"] else "the Dataset, as it reads,"
-        figures.append(f"step 1 not recomputed: {what} draws random numbers")
+    checked = 0  # This counts the figures that tell a mean from other losses.
+    if p["collate_mixes"]:
+        figures.append("a batch not compared with its items: collate_fn mixes them")
+    elif p["eval_random"]:
+        figures.append("a batch not compared with its items: compute_loss draws random numbers")
+    else:
+        checked += 1
+        figures.append(f"a batch's / the count-weighted mean of its items' = {per_item:.4f} (1)")
+        if loss_mixes_items(p) and ratio <= 1.5:
+            causes.append(
+                "compute_loss weighs a batch's items otherwise than by their count (a mean of "
+                "per-sample means?): return the mean over all the items its count counts"
+            )
+    own_draws = c.data("torchrun", 0)["train"]["own_draws"]
+    if n["random"]:
+        call = f" ({n['random_call']})" if n["random_call"] else ""
+        figures.append(f"step 1 not recomputed: training draws random numbers{call}")
+    elif p["collate_mixes"] or own_draws:
+        what = "collate_fn mixes the items" if p["collate_mixes"] else "the Dataset draws its own"
+        figures.append(f"step 1 not recomputed: {what}")
     elif check_same_data(c).status == "FAIL":
         figures.append("step 1 not recomputed: the ranks' data differ (see 4)")
     else:
-        logged, alone = c.results["torchrun"].records("progress")[0]["train_loss"], p["step_1"]
-        how = "micro-batch by micro-batch" if p["batch_dependent"] else "item by item"
+        # Check 2's launch of 2 processes trained with dropout off and each item read alone.
+        checked += 1
+        logged, alone = c.results["pair"].records("progress")[0]["train_loss"], n["step_1"]
+        how = "micro-batch by micro-batch" if n["mixing"] else "item by item"
         gap = relative(logged, alone)
         figures.append(
-            f"step 1: logged {logged:.7g}, {how} in {p['precision']} {alone:.7g} (relative gap "
-            f"{gap:.1e})"
+            f"step 1 of 2 x {c.b}, neutral as in 2: logged {logged:.7g}, {how} in "
+            f"{n['precision']} {alone:.7g} (relative gap {gap:.1e})"
         )
         if gap > TOLERANCE:
             causes.append(
-                "the loss is not the mean over the items its count counts (padding in the mean? "
-                "a count of other items?)"
+                "the logged loss is not the mean over the items of the step on all ranks (a loss "
+                "all_reduce left out? padding in the mean? a count of other items?)"
             )
     evals = [record for record in c.results["python"].metrics if "eval_loss" in record]
-    if evals and p["eval_loss"] is not None:
+    if p["eval_random"]:
+        figures.append("eval not recomputed: compute_loss draws random numbers in evaluation")
+    elif evals and p["eval_loss"] is not None:
+        checked += 1
         logged, alone = evals[-1]["eval_loss"], p["eval_loss"]
         gap = relative(logged, alone)
         figures.append(f"eval: logged {logged:.7g}, item by item {alone:.7g} ({gap:.1e})")
@@ -831,7 +905,12 @@ def check_mean(c: CopyCheck) -> Verdict:
         causes.append(f"an item alone counts {max(counts):g}, but COUNT_UNIT is samples")
     if unit != "samples" and counts == {1.0}:
         causes.append(f"every item counts 1, a sample, but COUNT_UNIT is {unit}: count the {unit}")
-    return Verdict(3, "FAIL" if causes else "pass", "; ".join(figures), (causes or [""])[0])
+    figure = "; ".join(figures)
+    if causes:
+        return Verdict(3, "FAIL", figure, causes[0])
+    if not checked:
+        return Verdict(3, "n/a", f"{figure}: the draws differ from launch to launch, by design")
+    return Verdict(3, "pass", figure)
 
 
 def check_same_data(c: CopyCheck) -> Verdict:
@@ -953,10 +1032,21 @@ def check_eval(c: CopyCheck) -> Verdict:
         return Verdict(6, "pass", figure)
     if check_same_data(c).status == "FAIL":
         return Verdict(6, "FAIL", figure, "the processes build different data (see 4)")
+    if all(once) and c.probe()["eval_random"]:
+        return Verdict(
+            6, "n/a", f"{figure}: compute_loss draws random numbers in evaluation, and another "
+            "world size gives each item other draws, by design",
+        )  # fmt: skip
+    if all(once) and gaps["eval_loss"] <= TOLERANCE:
+        return Verdict(
+            6, "FAIL", figure, f"{worst} is not a mean over the items: a figure of each rank's own "
+            "items, such as an F1 of its predictions, changes with the world size. Return per-item "
+            "means whose count-weighted mean is exact, and compute the figure from them",
+        )  # fmt: skip
     return Verdict(
-        6, "FAIL", figure, "a loss that is not the mean over its count (see 3); else the eval "
-        "loader's sampler, or the sums over the ranks, were changed: rank r evaluates items r, "
-        "r + world size..., and the ranks' sums (not means) are added",
+        6, "FAIL", figure, "a loss that is not the mean over its count; else the eval loader's "
+        "sampler, or the sums over the ranks, were changed: rank r evaluates items r, r + world "
+        "size..., and the ranks' sums (not means) are added",
     )  # fmt: skip
 
 
@@ -1027,6 +1117,12 @@ def check_copy(script, args: list[str], work: Path, only=()) -> list[Verdict]:
             # Here --eval-only refuses to run, as it should.
             if n == 6 and c.eval_set_size() == 0:
                 verdict = Verdict(6, "n/a", "build_datasets gives no eval set")
+            elif problem and n == 2 and "not finite" in problem:
+                cause = (
+                    "check 2's own plain SGD diverged at the rate that it chose, and your --lr "
+                    "does not set that rate: run the other checks with CHECKS=1,3,4,5,6,7,8"
+                )
+                verdict = Verdict(n, "FAIL", problem, cause)
             elif problem:
                 verdict = Verdict(n, "FAIL", problem, "its line names it")
             else:

@@ -7,11 +7,13 @@ import hashlib
 import importlib.util
 import inspect
 import json
+import math
 import os
 import random
 import signal
 import sys
 import time
+import traceback
 
 import torch
 from torch.utils.data import DataLoader
@@ -262,8 +264,8 @@ def install(target):
             states, kept = random_states(), dict(built)
             launcher = {name: env.pop(name) for name in ("RANK", "LOCAL_RANK") if name in env}
             try:
-                neutral["rate"] = sgd_rate(target, task, sys.argv[1:])
                 neutral["statistics"] = calibrate_batch_norms(target, task, sys.argv[1:])
+                neutral["rate"] = sgd_rate(target, task, sys.argv[1:], neutral["statistics"])
             finally:
                 env.update(launcher)
                 built.update(kept)
@@ -281,6 +283,8 @@ def install(target):
 
     def build_model(args):
         model = task["build_model"](args)
+        if NEUTRAL:
+            switch_off_rnn_dropout(model)
         if NEUTRAL and batch_norms(model):
             freeze_batch_norms(model, neutral_settings()["statistics"])
         # Rank 0 saves its weights, because DDP sends rank 0's weights to all ranks.
@@ -297,6 +301,10 @@ def install(target):
             if training_calls[0] == 1 and "CHECK_DESCRIBE" in env:
                 sets = {part: describe(dataset) for part, dataset in built.items()}
                 record(f"data.{RANK}", json.dumps(sets))
+            # This launch trains as another launch does, with other draws of the model's random
+            # numbers. Check 2 measures the noise of those draws with it.
+            if training_calls[0] == 1 and "CHECK_RESEED" in env:
+                seed_all(7919 + int(RANK))
             first_run = env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
             if RANK == "0" and first_run and training_calls[0] == int(env.get("CHECK_STOP_AT", 0)):
                 stop_torchrun()
@@ -311,6 +319,7 @@ def install(target):
     target.DataLoader = RecordedLoader
     if NEUTRAL:
         switch_off_dropout()
+        switch_off_autocast()
     # Plain SGD at the check's rate times CHECK_SGD lets the scale of a gradient show.
     if "CHECK_SGD" in env:
 
@@ -468,6 +477,33 @@ def switch_off_dropout():
     return lambda: [setattr(F, name, function) for name, function in originals.items()]
 
 
+def switch_off_rnn_dropout(model):
+    """Set the dropout between the layers of each RNN, LSTM and GRU to 0. That dropout is an
+    attribute of the module, and torch's dropout functions never see it. Return the kinds of the
+    modules that had one, with their counts."""
+    kinds = collections.Counter()
+    for module in model.modules():
+        if isinstance(module, torch.nn.RNNBase) and module.dropout:
+            module.dropout = 0.0
+            kinds[type(module).__name__] += 1
+    return kinds
+
+
+def switch_off_autocast():
+    """Make torch.autocast a context that does nothing, so that check 2's launches compute in
+    float32 where the user's flags ask for bf16 or fp16. The file autocast.RANK tells the check
+    that the script asked for an autocast."""
+    original = torch.autocast
+
+    def no_autocast(device_type, dtype=None, enabled=True, cache_enabled=None):
+        if enabled:
+            record(f"autocast.{RANK}", str(dtype))
+        return original(device_type, enabled=False)
+
+    torch.autocast = no_autocast
+    torch.amp.autocast = no_autocast
+
+
 def batch_norms(model):
     """Return the BatchNorm layers that keep running statistics, by name."""
     kind = torch.nn.modules.batchnorm._BatchNorm
@@ -505,6 +541,7 @@ def calibrate_batch_norms(target, task, argv):
     items that the launches train, with dropout off. They are an average over all those items, so
     they normalise as well as batch statistics, and every launch gets the same ones."""
     args, train_set, model = initial_task(target, task, argv)
+    switch_off_rnn_dropout(model)
     norms = batch_norms(model)
     if not norms:
         return {}
@@ -544,6 +581,7 @@ class Losses:
         model.load_state_dict(torch.load(weights, weights_only=True))
         model.train(train)
         if self.statistics is not None:
+            switch_off_rnn_dropout(model)
             freeze_batch_norms(model, self.statistics)
         return model.double() if float64 else model
 
@@ -573,8 +611,9 @@ class Losses:
 
 def probe(target, task, argv, inputs):
     """Compute the figures that checks 2, 3 and 7 compare the launches with. This runs in one
-    process, without a process group. The inputs are the initial weights from torchrun's rank 0,
-    each rank's first micro-batch there, and the final weights from the python launch."""
+    process, without a process group. The inputs are the initial weights from rank 0 of check 2's
+    launch of 2 processes, each rank's first micro-batch there, and the final weights from the
+    python launch."""
     args = target.parse_args(argv)
     # The script seeds like this before build_datasets.
     getattr(target, "seed_everything", torch.manual_seed)(args.seed)
@@ -586,19 +625,8 @@ def probe(target, task, argv, inputs):
     initial, final, micro_batches = inputs["initial"], inputs["final"], inputs["first_step"]
     items = [i for batch in micro_batches for i in batch]
     each = [[i] for i in items]
-    kinds = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.Dropout)
-    layers = task["build_model"](args).modules()
-    found = {"count_unit": target.COUNT_UNIT, "step_1": None, "eval_loss": None}
-    found["modules"] = sorted(
-        {type(m).__name__ for m in layers if isinstance(m, kinds) and m.training}
-    )
+    found = {"count_unit": target.COUNT_UNIT, "eval_loss": None, "eval_random": False}
     with torch.no_grad():
-        # One micro-batch from two random states gives the same loss, unless training draws
-        # random numbers.
-        draws = [
-            losses.mean(initial, True, train_set, micro_batches[:1], seed=s)[0] for s in (1, 2)
-        ]
-        found["random_in_training"] = draws[0] != draws[1]
         # In evaluation there is no dropout and there are no batch statistics. Then a mean over a
         # batch's count is the count-weighted mean of its items' losses, each computed alone. A sum
         # is B times that mean.
@@ -612,24 +640,12 @@ def probe(target, task, argv, inputs):
             initial, False, train_set, [items[: len(items) // 2], items[len(items) // 2 :]]
         )[0]
         found["loss_2b_over_b"] = both / halves if halves else 1.0
-        # In training, this tells whether a layer's output depends on the rest of the batch, as
-        # with BatchNorm.
-        try:
-            batched = losses.mean(initial, True, train_set, micro_batches)[0]
-            found["batch_dependent"] = abs(
-                losses.mean(initial, True, train_set, each)[0] - batched
-            ) > 1e-5 * abs(batched)
-        except Exception:  # BatchNorm of one item in training raises an error.
-            found["batch_dependent"] = True
-        found["stateful"] = stateful_layers(losses, initial, train_set, micro_batches[0])
-        # Compute step 1 item by item, or as each rank's micro-batch.
-        if not found["random_in_training"]:
-            per = micro_batches if found["batch_dependent"] else each
-            (found["step_1"], _), found["precision"] = losses.mean_float64(
-                initial, True, train_set, per
-            )
-        # The eval loss uses the final weights, with each eval item alone.
+        found["collate_mixes"] = collate_mixes(target.collate_fn, train_set, items)
+        # The eval loss uses the final weights, with each eval item alone. A compute_loss that
+        # draws noise in evaluation, as a denoiser's does, gives another loss from another state.
         if eval_set is not None and len(eval_set):
+            draws = [losses.mean(final, False, eval_set, [[0]], seed=s)[0] for s in (1, 2)]
+            found["eval_random"] = draws[0] != draws[1]
             per_item = [[i] for i in range(len(eval_set))]
             (found["eval_loss"], _), _ = losses.mean_float64(final, False, eval_set, per_item)
     found["load_error"] = load_error(task["build_model"](args), final)
@@ -648,6 +664,8 @@ def neutral_figures(losses, inputs, train_set, statistics):
     found = {
         "batch_norms": collections.Counter(type(m).__name__ for m in batch_norms(model).values()),
         "dropouts": sum(isinstance(m, DROPOUT_MODULES) for m in model.modules()),
+        "rnn_dropouts": switch_off_rnn_dropout(task_model(losses)),
+        "step_1": None,
     }
     dropouts_seen.clear()
     restore = switch_off_dropout()
@@ -657,20 +675,115 @@ def neutral_figures(losses, inputs, train_set, statistics):
                 neutral.mean(initial, True, train_set, [micro_batch], seed=s)[0] for s in (1, 2)
             ]
             found["random"] = draws[0] != draws[1]
-            try:
-                alone = neutral.mean(initial, True, train_set, [[i] for i in micro_batch])[0]
-                found["mixing"] = abs(alone - draws[0]) > 1e-5 * abs(draws[0])
-            except Exception:  # A layer that mixes items may refuse a batch of one.
-                found["mixing"] = True
-            found["mixing_layer"] = None
+            found["random_call"] = None
+            if found["random"]:
+                found["random_call"] = first_random_call(neutral, initial, train_set, micro_batch)
+            # Whether an item's output depends on its batch shows only without random draws.
+            found["mixing"], found["mixing_layer"] = False, None
+            if not found["random"]:
+                try:
+                    alone = neutral.mean(initial, True, train_set, [[i] for i in micro_batch])[0]
+                    found["mixing"] = abs(alone - draws[0]) > 1e-5 * abs(draws[0])
+                except Exception:  # A layer that mixes items may refuse a batch of one.
+                    found["mixing"] = True
             if found["mixing"]:
                 found["mixing_layer"] = mixing_layer(neutral, initial, train_set, micro_batch)
             found["stateful"] = stateful_layers(neutral, initial, train_set, micro_batch)
+            # Step 1 as check 2's launch of 2 processes trained it: item by item, or as each
+            # rank's micro-batch where an item's output depends on its batch.
+            if not found["random"]:
+                micro_batches = inputs["first_step"]
+                per = micro_batches if found["mixing"] else [[i] for b in micro_batches for i in b]
+                (found["step_1"], _), found["precision"] = neutral.mean_float64(
+                    initial, True, train_set, per
+                )
     finally:
         restore()
     implied = {"dropout"} if found["dropouts"] else set()  # nn.Dropout calls F.dropout.
     found["functions"] = sorted(dropouts_seen - implied)
     return found
+
+
+def task_model(losses):
+    return losses.task["build_model"](losses.args)
+
+
+# A model draws its random numbers through these functions of torch and methods of its tensors.
+RANDOM_FUNCTIONS = ("rand", "randn", "randint", "rand_like", "randn_like", "randint_like")
+RANDOM_FUNCTIONS += ("randperm", "normal", "bernoulli", "multinomial", "poisson")
+RANDOM_METHODS = ("normal_", "uniform_", "bernoulli_", "random_", "exponential_", "geometric_")
+
+
+def first_random_call(losses, weights, dataset, items):
+    """Return the first call that draws random numbers in a training forward, as `torch.randn in
+    FILE:LINE`, with the line outside torch that made it. Return None where none of the calls
+    that the check watches drew them."""
+    calls = []
+    torch_dir = os.path.dirname(torch.__file__)
+
+    def watched(owner, name):
+        original = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            if not calls:
+                for frame in reversed(traceback.extract_stack()[:-1]):
+                    if not frame.filename.startswith(torch_dir) and frame.filename != __file__:
+                        where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
+                        calls.append(f"{'torch' if owner is torch else 'Tensor'}.{name} in {where}")
+                        break
+            return original(*args, **kwargs)
+
+        return original, call
+
+    model = losses.model(weights, True)
+    batch = losses.collate_fn(read(dataset, items))
+    patched = [(torch, name, *watched(torch, name)) for name in RANDOM_FUNCTIONS]
+    patched += [(torch.Tensor, name, *watched(torch.Tensor, name)) for name in RANDOM_METHODS]
+    for owner, name, _, call in patched:
+        setattr(owner, name, call)
+    try:
+        call_task(losses.task["compute_loss"], model, batch, losses.args)
+    except Exception:
+        pass
+    finally:
+        for owner, name, original, _ in patched:
+            setattr(owner, name, original)
+    return calls[0] if calls else None
+
+
+def collate_mixes(collate_fn, dataset, items):
+    """Return whether collate_fn mixes the items of a batch, as mixup and cutmix do. Then a
+    batch's tensors differ from its items' tensors, each collated alone."""
+    states = random_states()
+    try:
+        seed_all(0)
+        together = tensors_of(collate_fn(read(dataset, items)))
+        alone = [tensors_of(collate_fn(read(dataset, [i]))) for i in items]
+    except Exception:
+        return False
+    finally:
+        set_random_states(states)
+    for position, tensor in enumerate(together):
+        parts = [part[position] for part in alone if len(part) == len(together)]
+        if len(parts) != len(alone) or tensor.dim() == 0:
+            continue
+        if any(p.shape[1:] != tensor.shape[1:] for p in parts):
+            continue  # A collate_fn that pads to the longest item changes the shapes.
+        joined = torch.cat(parts)
+        if joined.shape == tensor.shape and not torch.allclose(joined.double(), tensor.double()):
+            return True
+    return False
+
+
+def tensors_of(batch):
+    """Return the tensors of a batch in a fixed order."""
+    if torch.is_tensor(batch):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for key in batch for t in tensors_of(batch[key])]
+    if isinstance(batch, (list, tuple)):
+        return [t for value in batch for t in tensors_of(value)]
+    return []
 
 
 def mixing_layer(losses, weights, dataset, items):
@@ -704,23 +817,61 @@ def mixing_layer(losses, weights, dataset, items):
     return None
 
 
-def sgd_rate(target, task, argv):
-    """Find the one learning rate of the check's plain SGD. A step at the initial weights moves them
-    by 1% of their norm, so SGD cannot diverge where the user's --lr suits another optimizer, such
-    as Adadelta's 1.0. Every launch gets the same rate, so a loss summed over the ranks still trains
-    twice as fast as a mean."""
+def sgd_rate(target, task, argv, statistics):
+    """Find the one learning rate of the check's plain SGD. The first guess moves the initial
+    weights by 1% of their norm in a step, so the user's --lr, which may suit another optimizer such
+    as Adadelta, plays no part. The rate is halved until 8 steps at twice the rate, as the control
+    launch takes them, lower the loss over the items that the launches train. Every launch gets the
+    same rate, so a loss summed over the ranks still trains twice as fast as a mean."""
     args, train_set, model = initial_task(target, task, argv)
+    switch_off_rnn_dropout(model)
+    freeze_batch_norms(model, statistics)
     model.train()
-    items = min(len(train_set), int(env["CHECK_GLOBAL_BATCH"]))
-    batch = target.collate_fn(read(train_set, list(range(items))))
-    output = call_task(task["compute_loss"], model, batch, args)
-    (output[0] if isinstance(output, tuple) else output).backward()
+    size = min(len(train_set), int(env["CHECK_TRAIN_ITEMS"]))
+    global_batch = int(env["CHECK_GLOBAL_BATCH"])
+    starts = range(0, size, global_batch)
+    batches = [
+        target.collate_fn(read(train_set, list(range(i, min(i + global_batch, size)))))
+        for i in starts
+    ]
+    training_loss(task, model, batches[0], args).backward()
     weights = torch.cat([p.detach().double().flatten() for p in model.parameters()]).norm()
     grads = [p.grad.double().flatten() for p in model.parameters() if p.grad is not None]
     gradient = torch.cat(grads).norm() if grads else torch.tensor(0.0)
     if not (gradient > 0 and gradient.isfinite() and weights > 0):
         return args.lr  # There is nothing to scale by, so the user's own rate stays.
-    return float(0.01 * weights / gradient)
+    rate = float(0.01 * weights / gradient)
+    initial = {name: value.clone() for name, value in model.state_dict().items()}
+    for _ in range(20):
+        if loss_falls(task, args, model, initial, batches, 2 * rate):
+            break
+        rate = rate / 2
+    return rate
+
+
+def training_loss(task, model, batch, args):
+    output = call_task(task["compute_loss"], model, batch, args)
+    return output[0] if isinstance(output, tuple) else output
+
+
+def loss_falls(task, args, model, initial, batches, rate):
+    """Return whether 8 steps of plain SGD at this rate, from the initial weights, lower the mean
+    loss over the batches and keep it finite."""
+    model.load_state_dict(initial)
+    optimizer = torch.optim.SGD(model.parameters(), lr=rate)
+
+    def mean_loss():
+        with torch.no_grad():
+            seed_all(0)
+            return sum(float(training_loss(task, model, b, args)) for b in batches) / len(batches)
+
+    before = mean_loss()
+    for step in range(8):
+        optimizer.zero_grad()
+        training_loss(task, model, batches[step % len(batches)], args).backward()
+        optimizer.step()
+    after = mean_loss()
+    return math.isfinite(after) and after <= before
 
 
 def stateful_layers(losses, weights, dataset, micro_batch):
