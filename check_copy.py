@@ -472,8 +472,9 @@ LAUNCHES = {
     # so their eval losses must be the same, unless compute_loss reads --grad-accum.
     "eval_1": Planned("python", 2, 1, "python", {}, eval_only=True, after=("python",)),
     "eval_accum": Planned("python", 2, 2, "python", {}, eval_only=True, after=("python",)),
-    # One process computes the figures alone. It uses the first step of pair and python's weights.
-    "probe": Planned("python", 2, 1, "python", {}, after=("python", "pair")),
+    # One process computes the figures alone. It uses the first step of pair, the final weights of
+    # single, whose evaluation ran without autocast, and python's model.pt.
+    "probe": Planned("python", 2, 1, "python", {}, after=("python", "pair", "single")),
     # This is single with other draws of the model's random numbers. Check 2 runs it only for a
     # model that draws them, to measure their noise.
     "reseeded": Planned("python", 2, 1, "reseeded", NEUTRAL_SGD | {"CHECK_RESEED": 1}),
@@ -483,7 +484,7 @@ NEEDS = {
     1: ("python", "torchrun", "spawn"),
     # Check 2 reads torchrun and python to tell whether the data differ.
     2: ("single", "pair", "accum", "grad_x2", "eval_1", "eval_accum", "probe", "torchrun"),
-    3: ("python", "torchrun", "pair", "probe"),
+    3: ("python", "torchrun", "single", "pair", "probe"),
     4: ("python", "torchrun"),
     5: ("python", "torchrun", "stopped", "resumed"),  # python tells whether the data differ.
     6: ("python", "torchrun", "eval_2", "probe"),  # torchrun tells whether the data differ.
@@ -647,6 +648,7 @@ class CopyCheck:
             "initial": str(self.records("pair") / "initial.pt"),
             "first_step": [self.batches("pair", rank)[0] for rank in range(2)],
             "final": str(self.work / "python/model.pt"),
+            "evaluated": str(self.work / "single/model.pt"),
         }
 
     def eval_set_size(self):
@@ -890,14 +892,18 @@ def check_mean(c: CopyCheck) -> Verdict:
                 "the logged loss is not the mean over the items of the step on all ranks (a loss "
                 "all_reduce left out? padding in the mean? a count of other items?)"
             )
-    evals = [record for record in c.results["python"].metrics if "eval_loss" in record]
+    # single evaluated its final weights with autocast off, and the probe recomputes that.
+    evals = [record for record in c.results["single"].metrics if "eval_loss" in record]
     if p["eval_random"]:
         figures.append("eval not recomputed: compute_loss draws random numbers in evaluation")
     elif evals and p["eval_loss"] is not None:
         checked += 1
         logged, alone = evals[-1]["eval_loss"], p["eval_loss"]
         gap = relative(logged, alone)
-        figures.append(f"eval: logged {logged:.7g}, item by item {alone:.7g} ({gap:.1e})")
+        figures.append(
+            f"last eval of 1 x {c.g}, neutral as in 2: logged {logged:.7g}, item by item "
+            f"{alone:.7g} ({gap:.1e})"
+        )
         if gap > TOLERANCE:
             causes.append("the eval loss is not the mean over the items its count counts")
     counts, unit = set(p["item_counts"]), p["count_unit"]

@@ -612,8 +612,8 @@ class Losses:
 def probe(target, task, argv, inputs):
     """Compute the figures that checks 2, 3 and 7 compare the launches with. This runs in one
     process, without a process group. The inputs are the initial weights from rank 0 of check 2's
-    launch of 2 processes, each rank's first micro-batch there, and the final weights from the
-    python launch."""
+    launch of 2 processes, each rank's first micro-batch there, the final weights of check 2's
+    launch of 1 process, which it evaluated without autocast, and the python launch's model.pt."""
     args = target.parse_args(argv)
     # The script seeds like this before build_datasets.
     getattr(target, "seed_everything", torch.manual_seed)(args.seed)
@@ -641,13 +641,14 @@ def probe(target, task, argv, inputs):
         )[0]
         found["loss_2b_over_b"] = both / halves if halves else 1.0
         found["collate_mixes"] = collate_mixes(target.collate_fn, train_set, items)
-        # The eval loss uses the final weights, with each eval item alone. A compute_loss that
+        # The eval loss uses single's final weights, with each eval item alone. A compute_loss that
         # draws noise in evaluation, as a denoiser's does, gives another loss from another state.
         if eval_set is not None and len(eval_set):
-            draws = [losses.mean(final, False, eval_set, [[0]], seed=s)[0] for s in (1, 2)]
+            evaluated = inputs["evaluated"]
+            draws = [losses.mean(evaluated, False, eval_set, [[0]], seed=s)[0] for s in (1, 2)]
             found["eval_random"] = draws[0] != draws[1]
             per_item = [[i] for i in range(len(eval_set))]
-            (found["eval_loss"], _), _ = losses.mean_float64(final, False, eval_set, per_item)
+            (found["eval_loss"], _), _ = losses.mean_float64(evaluated, False, eval_set, per_item)
     found["load_error"] = load_error(task["build_model"](args), final)
     statistics = calibrate_batch_norms(target, task, argv)
     found["neutral"] = neutral_figures(losses, inputs, train_set, statistics)

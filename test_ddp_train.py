@@ -2011,7 +2011,11 @@ def collate_fn(items):
         inputs = mix * inputs + (1 - mix) * inputs.roll(1, 0)
         targets = mix * targets + (1 - mix) * targets.roll(1, 0)
     return inputs, targets
+def compute_loss(model, batch, args):  # The targets are probabilities.
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs).float(), targets)
 ddp_train.build_datasets, ddp_train.collate_fn = build_datasets, collate_fn
+ddp_train.compute_loss = compute_loss
 """,
     ),
     # A learnable temperature that starts at 1000 makes up most of the weights' norm. A step that
