@@ -432,11 +432,12 @@ CHECK_SETS = (
 
 @dataclasses.dataclass
 class Planned:
-    """A Planned object is a launch of the user's script through the wrapper. It trains 2 epochs of
-    at most 4 global batches."""
+    """A Planned object is a launch of the user's script through the wrapper. It trains 2 epochs."""
 
     mode: str  # The mode is python, torchrun with 2 processes, or spawn with --spawn 2.
-    batch: int  # This is --batch-size in units of B. Every launch's global batch is 2B.
+    # This is --batch-size in units of B. The global batch is 2B, except in the torchrun launches,
+    # which accumulate 2 micro-batches of B on each of 2 ranks.
+    batch: int
     grad_accum: int
     out_dir: str  # This is its own out-dir, or the one whose checkpoint it reads.
     env: dict  # These CHECK_* variables tell the wrapper what to install.
@@ -453,10 +454,12 @@ NEUTRAL_SGD = {"CHECK_SGD": 1, "CHECK_NEUTRAL": 1}
 LAUNCHES = {
     # Its last evaluation is check 6's evaluation on 1 process.
     "python": Planned("python", 2, 1, "python", dict(CHECK_DESCRIBE=1)),
-    "torchrun": Planned("torchrun", 1, 1, "torchrun", dict(CHECK_DESCRIBE=1)),
-    # This launch gets SIGTERM in step 2. Then every rank is in the loop, because step 1's
-    # all-reduce waited for all of them.
-    "stopped": Planned("torchrun", 1, 1, "stopped", dict(CHECK_STOP_AT=2)),
+    # The torchrun launches accumulate 2 micro-batches, so that a resume skips whole accumulated
+    # steps. Each rank saves the checkpoint's parts as it holds them, for check 5.
+    "torchrun": Planned("torchrun", 1, 2, "torchrun", dict(CHECK_DESCRIBE=1, CHECK_PARTS=1)),
+    # This launch gets SIGTERM in step 2, at its third micro-batch. Then every rank is in the
+    # loop, because step 1's all-reduce waited for all of them.
+    "stopped": Planned("torchrun", 1, 2, "stopped", dict(CHECK_STOP_AT=3)),
     "spawn": Planned("spawn", 1, 1, "spawn", {}),
     # Check 2's launches are 1 x 2B, 2 x B, 1 x B x 2 accumulated, and the control at twice the
     # rate. They run the user's loop and loss, with BatchNorm, dropout, autocast and the Dataset's
@@ -466,7 +469,7 @@ LAUNCHES = {
     "accum": Planned("python", 1, 2, "accum", NEUTRAL_SGD),
     "grad_x2": Planned("python", 2, 1, "grad_x2", NEUTRAL_SGD | {"CHECK_SGD": 2}),
     # The resumed launch runs the same command as the stopped launch.
-    "resumed": Planned("torchrun", 1, 1, "stopped", {}, after=("stopped",)),
+    "resumed": Planned("torchrun", 1, 2, "stopped", dict(CHECK_PARTS=1), after=("stopped",)),
     "eval_2": Planned("torchrun", 1, 1, "python", {}, eval_only=True, after=("python",)),
     # These evaluate python's checkpoint at --grad-accum 1 and 2. They draw the same random numbers,
     # so their eval losses must be the same, unless compute_loss reads --grad-accum.
@@ -534,10 +537,11 @@ class CopyCheck:
         self.flags, self.b = user_flags(args)
         workers = re.findall(r"--workers[= ](\d+)", " ".join(args))  # The last one counts.
         self.workers = int(workers[-1]) if workers else 0
-        # Every launch has this global batch, as 2 x B, 1 x 2B or 1 x B x 2.
+        # Every launch but torchrun's has this global batch, as 2 x B, 1 x 2B or 1 x B x 2.
         self.g = 2 * self.b
-        # The one extra eval item makes the eval shares uneven.
-        self.train_items, self.eval_items = 4 * self.g, self.g + 1
+        # The B extra training items leave a partial global batch at each epoch's end. The one
+        # extra eval item makes the eval shares uneven.
+        self.train_items, self.eval_items = 4 * self.g + self.b, self.g + 1
         # The wrapper takes the script's name, so that name appears in its lines.
         self.wrapper = work / "wrapper" / self.script.name
         self.wrapper.parent.mkdir(parents=True, exist_ok=True)
@@ -661,6 +665,32 @@ class CopyCheck:
 
     def probe(self) -> dict:
         return json.loads(self.lines("probe", "probe.json")[0])
+
+    def saved_parts(self, name) -> list[dict]:
+        """Return the checkpoint's parts as each rank held them at the launch's last save, with
+        one key for each tensor or number. The list is empty where the script's save_checkpoint
+        did not show its parts to the wrapper, as in older copies."""
+        paths = [self.records(name) / f"parts.{rank}.pt" for rank in range(2)]
+        if not all(path.exists() for path in paths):
+            return []
+        return [torch.load(path, weights_only=True) for path in paths]
+
+
+def unlike(a: dict, b: dict) -> list[str]:
+    """Return the keys of two saves of the checkpoint's parts whose values differ."""
+    return [
+        key
+        for key in sorted(a.keys() | b.keys())
+        if key not in a
+        or key not in b
+        or type(a[key]) is not type(b[key])
+        or not (torch.equal(a[key], b[key]) if torch.is_tensor(a[key]) else a[key] == b[key])
+    ]
+
+
+def part_names(keys: list[str]) -> set[str]:
+    """Return the names of the parts that the keys of unlike() belong to."""
+    return {key.split(".")[0] for key in keys}
 
 
 def script_said(result) -> str:
@@ -989,6 +1019,28 @@ def check_resume(c: CopyCheck) -> Verdict:
         f"script's exit 75, torchrun's {stopped.returncode}); the rerun resumed there: {len(differ)} of "
         f"{len(whole)} tensors differ from the uninterrupted run's"
     )
+    parts = {name: c.saved_parts(name) for name in ("torchrun", "resumed")}
+    if not differ and parts["torchrun"]:
+        unlike_resumed = unlike(parts["torchrun"][0], parts["resumed"][0])
+        unlike_ranks = unlike(parts["torchrun"][0], parts["torchrun"][1])
+        names = sorted({key.split(".")[0] for key in parts["torchrun"][0]})
+        figure += (
+            f" (bit-identical); of the {len(names)} parts that its last checkpoint holds "
+            f"({', '.join(names)}), {len(part_names(unlike_resumed))} differ after the resume, and "
+            f"{len(part_names(unlike_ranks))} differ between ranks 0 and 1"
+        )
+        if unlike_resumed:
+            return Verdict(
+                5, "FAIL", f"{figure}: {unlike_resumed[0]}", "a part that the checkpoint holds "
+                "does not resume as it was saved: see restore_checkpoint()",
+            )  # fmt: skip
+        if unlike_ranks:
+            return Verdict(
+                5, "FAIL", f"{figure}: {unlike_ranks[0]}", "a part that rank 0 saves differs on "
+                "rank 1 after a step, so the ranks evaluate and resume from different states (an "
+                "EMA that only rank 0 updates?): update every part on every rank",
+            )  # fmt: skip
+        return Verdict(5, "pass", figure)
     if not differ:
         return Verdict(5, "pass", f"{figure} (bit-identical)")
     same_batches = all(
@@ -1009,9 +1061,10 @@ def check_resume(c: CopyCheck) -> Verdict:
         )  # fmt: skip
     return Verdict(
         5, "FAIL", f"{figure}; the same batches in the same order",
-        "random numbers drawn from a generator the checkpoint does not hold (a torch.Generator, "
-        "random.Random or np.random.default_rng of your own): draw from torch's, random's or "
-        "numpy's global generators, which the script seeds per rank and checkpoints",
+        "state that the checkpoint does not hold, such as a generator of your own (a "
+        "torch.Generator, random.Random or np.random.default_rng) or a counter in a module: draw "
+        "from torch's, random's or numpy's global generators, which the script seeds per rank and "
+        "checkpoints, and keep other state in a part that the checkpoint holds",
     )  # fmt: skip
 
 
@@ -1068,8 +1121,9 @@ def check_model_file(c: CopyCheck) -> Verdict:
 
 
 def check_shares(c: CopyCheck) -> Verdict:
-    steps = min(c.data("torchrun", 0)["train"]["len"], c.train_items) // c.g
-    share = steps * c.b  # This is the number of a rank's items in an epoch.
+    # A step of the torchrun launch trains 2 micro-batches of B on each of 2 ranks.
+    steps = min(c.data("torchrun", 0)["train"]["len"], c.train_items) // (2 * c.g)
+    share = steps * 2 * c.b  # This is the number of a rank's items in an epoch.
     trained = [[i for b in c.batches("torchrun", rank) for i in b] for rank in range(2)]
     epochs = [[items[e * share : (e + 1) * share] for items in trained] for e in range(2)]
     figures, causes = [], []
@@ -1108,8 +1162,8 @@ def check_copy(script, args: list[str], work: Path, only=()) -> list[Verdict]:
     started = time.monotonic()
     print(
         f"checking {' '.join([str(script), *args])}: 2 x {c.b}, 1 x {c.g} and 1 x {c.b} x 2 "
-        f"accumulated, on at most {c.train_items} training and {c.eval_items} eval items, 2 "
-        f"epochs; the runs: {work}"
+        f"accumulated, torchrun 2 x {c.b} x 2 accumulated, on at most {c.train_items} training "
+        f"and {c.eval_items} eval items, 2 epochs; the runs: {work}"
     )
     names = {name for n in numbers for name in NEEDS[n]}
     # Add the launches that they read, and in turn the launches that those read.

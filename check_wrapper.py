@@ -224,6 +224,53 @@ class RecordedLoader(DataLoader):
             yield batch
 
 
+def showing_parts(save_checkpoint):
+    """Wrap the script's save_checkpoint, so that each rank saves the checkpoint's parts as it holds
+    them, in parts.RANK.pt. Check 5 compares them across the ranks and across a resume. An
+    argument with a dict `stateful_parts` holds the parts, as the script's TrainState does."""
+
+    def save(*args, **kwargs):
+        for value in (*args, *kwargs.values()):
+            parts = getattr(value, "stateful_parts", None)
+            if isinstance(parts, dict) and all(hasattr(p, "state_dict") for p in parts.values()):
+                save_parts(parts)
+        return save_checkpoint(*args, **kwargs)
+
+    return save
+
+
+def save_parts(parts):
+    values = {}
+    for name, part in parts.items():
+        state = part.state_dict()
+        # DDP sends rank 0's buffers to every rank before each forward, so a rank's own buffers,
+        # such as BatchNorm's statistics, may differ after a step.
+        if name == "model" and isinstance(part, torch.nn.Module):
+            buffers = {key for key, _ in part.named_buffers()}
+            state = {key: value for key, value in state.items() if key not in buffers}
+        flatten(state, name, values)
+    global own_write
+    own_write = True
+    try:
+        torch.save(values, os.path.join(RECORDS, f"parts.{RANK}.pt"))
+    finally:
+        own_write = False
+
+
+def flatten(value, key, values):
+    """Put each tensor and number of a nested state_dict into values, under a dotted key."""
+    if torch.is_tensor(value):
+        values[key] = value.detach().cpu().clone()
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            flatten(item, f"{key}.{name}", values)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            flatten(item, f"{key}.{i}", values)
+    elif isinstance(value, (bool, int, float)):
+        values[key] = value
+
+
 def stop_torchrun():
     """Send SIGTERM to torchrun, as a scheduler does when it stops a job. Return once torchrun has
     passed the signal on to this process."""
@@ -317,6 +364,8 @@ def install(target):
     target.build_datasets, target.build_model = build_datasets, build_model
     target.compute_loss, target.report = compute_loss, report
     target.DataLoader = RecordedLoader
+    if "CHECK_PARTS" in env and hasattr(target, "save_checkpoint"):
+        target.save_checkpoint = showing_parts(target.save_checkpoint)
     if NEUTRAL:
         switch_off_dropout()
         switch_off_autocast()
@@ -526,8 +575,10 @@ def freeze_batch_norms(model, statistics):
 
 def initial_task(target, task, argv):
     """Return the flags, the training set and the model at its initial weights. They are built and
-    seeded as the script builds them."""
+    seeded as the script builds them. The flags are those of check 2's launch of 1 process, so that
+    a compute_loss that reads --batch-size or --grad-accum gives every launch the same rate."""
     args = target.parse_args(argv)
+    args.batch_size, args.grad_accum = int(env["CHECK_GLOBAL_BATCH"]), 1
     seed = getattr(target, "seed_everything", torch.manual_seed)
     # The script seeds before build_datasets and again before build_model, and so does this code.
     seed(args.seed)

@@ -1828,6 +1828,35 @@ def compute_loss(model, batch, args):
 ddp_train.compute_loss = compute_loss
 """,
     ),
+    # An EMA of the weights that only rank 0 updates. Rank 0 saves it, but rank 1 evaluates and
+    # resumes with an EMA that never moved.
+    "ema-on-rank-0": (
+        {5: "EMA that only rank 0 updates"},
+        (
+            '    stateful_parts = {"model": model, "scaler": scaler}',
+            "    ema = torch.optim.swa_utils.AveragedModel(model)\n"
+            "    if world.rank == 0:\n"
+            "        optimizers[0].register_step_post_hook(lambda *_: ema.update_parameters(model))\n"
+            '    stateful_parts = {"model": model, "scaler": scaler, "ema": ema}',
+        ),
+    ),
+    # A resume that skips the micro-batches of the trained steps as if each step were one.
+    "resume-skips-micro-batches": (
+        {5: "the two runs trained other batches"},
+        (
+            "        for start in range(self.skip_steps * self.per_step, end, self.batch_size):",
+            "        for start in range(self.skip_steps * self.batch_size, end, self.batch_size):",
+        ),
+    ),
+    # A plan that keeps the partial last global batch of each epoch as a step of its own. The
+    # sampler's shares hold no items for that step, so the copy fails there.
+    "partial-step-kept": (
+        {8: "the torchrun launch exited 1"},
+        (
+            "    steps_per_epoch = train_size // global_batch",
+            "    steps_per_epoch = -(-train_size // global_batch)  # (the partial step kept)",
+        ),
+    ),
     "every-rank-writes": (
         {1: "rank 1 wrote"},
         """
@@ -2032,6 +2061,16 @@ class Tempered(nn.Module):
         return self.net(x) * (self.temperature / 1000)
 ddp_train.build_model = Tempered
 """,
+    ),
+    # An EMA of the weights that every rank updates after each optimizer step.
+    "ema-every-rank": (
+        (5,),
+        (
+            '    stateful_parts = {"model": model, "scaler": scaler}',
+            "    ema = torch.optim.swa_utils.AveragedModel(model)\n"
+            "    optimizers[0].register_step_post_hook(lambda *_: ema.update_parameters(model))\n"
+            '    stateful_parts = {"model": model, "scaler": scaler, "ema": ema}',
+        ),
     ),
     "per-rank-init": (
         (),
