@@ -920,7 +920,8 @@ def check_mean(c: CopyCheck) -> Verdict:
         if gap > TOLERANCE:
             causes.append(
                 "the logged loss is not the mean over the items of the step on all ranks (a loss "
-                "all_reduce left out? padding in the mean? a count of other items?)"
+                "all_reduce left out? a mean of per-sample means? padding in the mean? a count of "
+                "other items?)"
             )
     # single evaluated its final weights with autocast off, and the probe recomputes that.
     evals = [record for record in c.results["single"].metrics if "eval_loss" in record]

@@ -681,8 +681,14 @@ def probe(target, task, argv, inputs):
         # In evaluation there is no dropout and there are no batch statistics. Then a mean over a
         # batch's count is the count-weighted mean of its items' losses, each computed alone. A sum
         # is B times that mean.
-        alone = losses.mean(initial, False, train_set, each)[0]
-        found["batch_over_items"] = losses.mean(initial, False, train_set, micro_batches)[0] / alone
+        # At the initial weights, every item's loss may be close to the same value, and then a
+        # mean of means hides. So the ratio comes from the initial and the trained weights, and
+        # the one farther from 1 counts.
+        ratios = []
+        for weights in (initial, inputs["evaluated"]):
+            alone = losses.mean(weights, False, train_set, each)[0]
+            ratios.append(losses.mean(weights, False, train_set, micro_batches)[0] / alone)
+        found["batch_over_items"] = max(ratios, key=lambda ratio: abs(ratio - 1))
         found["item_counts"] = [losses.mean(initial, False, train_set, [i])[1] for i in each]
         # A mean of 2B items is the count-weighted mean of its halves' means. A sum of 2B items is
         # the sum of its halves' sums.
