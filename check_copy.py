@@ -767,7 +767,8 @@ def neutralised(n: dict, train: dict, autocast: bool) -> str:
 
 def differs_by_design(p: dict, train: dict) -> str:
     """Return why N x B and 1 x N*B still differ by design in check 2's launches, or ''."""
-    n, why = p["neutral"], []
+    n = p["neutral"]
+    why = []
     if n["stateful"]:
         why.append(f"in training, your model's {n['stateful'][0]} keeps state that training moves")
     elif n["mixing"]:
@@ -823,9 +824,12 @@ def check_equivalence(c: CopyCheck) -> Verdict:
     # The same checkpoint and the same draws give the same eval loss, whatever the model draws.
     if relative(accum_2, accum_1) > TOLERANCE:
         return Verdict(
-            2, "FAIL", figure, "compute_loss reads --grad-accum, so its loss changes with it (a "
+            2,
+            "FAIL",
+            figure,
+            "compute_loss reads --grad-accum, so its loss changes with it (a "
             "loss divided by --grad-accum, which the loop does already?)",
-        )  # fmt: skip
+        )
     limit = TOLERANCE  # This is the largest gap that the model's design explains.
     design = differs_by_design(p, train)
     # A loss that mixes items does not do so by design.
@@ -836,8 +840,9 @@ def check_equivalence(c: CopyCheck) -> Verdict:
             return Verdict(2, "n/a", f"{figure}: {design}")
         # Another seed of the same launch shows how far the draws alone move the weights.
         c.run_launches({"reseeded"})
-        if c.launch_problem(["reseeded"]):
-            return Verdict(2, "n/a", f"{figure}: {design}; {c.launch_problem(['reseeded'])}")
+        problem = c.launch_problem(["reseeded"])
+        if problem:
+            return Verdict(2, "n/a", f"{figure}: {design}; {problem}")
         noise = weights_gap(c.results["reseeded"].weights, one_process)
         limit = NOISE_FACTOR * max(noise, TOLERANCE)
         figure += f"; other draws of the random numbers move 1 x {c.g} by {noise:.1e}"
@@ -1032,15 +1037,21 @@ def check_resume(c: CopyCheck) -> Verdict:
         )
         if unlike_resumed:
             return Verdict(
-                5, "FAIL", f"{figure}: {unlike_resumed[0]}", "a part that the checkpoint holds "
+                5,
+                "FAIL",
+                f"{figure}: {unlike_resumed[0]}",
+                "a part that the checkpoint holds "
                 "does not resume as it was saved: see restore_checkpoint()",
-            )  # fmt: skip
+            )
         if unlike_ranks:
             return Verdict(
-                5, "FAIL", f"{figure}: {unlike_ranks[0]}", "a part that rank 0 saves differs on "
+                5,
+                "FAIL",
+                f"{figure}: {unlike_ranks[0]}",
+                "a part that rank 0 saves differs on "
                 "rank 1 after a step, so the ranks evaluate and resume from different states (an "
                 "EMA that only rank 0 updates?): update every part on every rank",
-            )  # fmt: skip
+            )
         return Verdict(5, "pass", figure)
     if not differ:
         return Verdict(5, "pass", f"{figure} (bit-identical)")
@@ -1094,15 +1105,20 @@ def check_eval(c: CopyCheck) -> Verdict:
         return Verdict(6, "FAIL", figure, "the processes build different data (see 4)")
     if all(once) and c.probe()["eval_random"]:
         return Verdict(
-            6, "n/a", f"{figure}: compute_loss draws random numbers in evaluation, and another "
+            6,
+            "n/a",
+            f"{figure}: compute_loss draws random numbers in evaluation, and another "
             "world size gives each item other draws, by design",
-        )  # fmt: skip
+        )
     if all(once) and gaps["eval_loss"] <= TOLERANCE:
         return Verdict(
-            6, "FAIL", figure, f"{worst} is not a mean over the items: a figure of each rank's own "
+            6,
+            "FAIL",
+            figure,
+            f"{worst} is not a mean over the items: a figure of each rank's own "
             "items, such as an F1 of its predictions, changes with the world size. Return per-item "
             "means whose count-weighted mean is exact, and compute the figure from them",
-        )  # fmt: skip
+        )
     return Verdict(
         6, "FAIL", figure, "a loss that is not the mean over its count; else the eval loader's "
         "sampler, or the sums over the ranks, were changed: rank r evaluates items r, r + world "

@@ -3,6 +3,7 @@ it in the script's place, with the script's flags and task functions. What the C
 for is installed around the task functions. The wrapper's own files go to CHECK_RECORDS."""
 
 import collections
+import contextlib
 import hashlib
 import importlib.util
 import inspect
@@ -29,14 +30,20 @@ NEUTRAL = "CHECK_NEUTRAL" in env
 own_write = False
 
 
-def record(name, line):
+@contextlib.contextmanager
+def own_writes():
+    """Leave the wrapper's own writes out of the audit while they happen."""
     global own_write
     own_write = True
     try:
-        with open(os.path.join(RECORDS, name), "a") as f:
-            f.write(line + "\n")
+        yield
     finally:
         own_write = False
+
+
+def record(name, line):
+    with own_writes(), open(os.path.join(RECORDS, name), "a") as f:
+        f.write(line + "\n")
 
 
 def audit(event, args):
@@ -249,12 +256,8 @@ def save_parts(parts):
             buffers = {key for key, _ in part.named_buffers()}
             state = {key: value for key, value in state.items() if key not in buffers}
         flatten(state, name, values)
-    global own_write
-    own_write = True
-    try:
+    with own_writes():
         torch.save(values, os.path.join(RECORDS, f"parts.{RANK}.pt"))
-    finally:
-        own_write = False
 
 
 def flatten(value, key, values):
