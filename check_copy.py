@@ -457,9 +457,10 @@ LAUNCHES = {
     # The torchrun launches accumulate 2 micro-batches, so that a resume skips whole accumulated
     # steps. Each rank saves the checkpoint's parts as it holds them, for check 5.
     "torchrun": Planned("torchrun", 1, 2, "torchrun", dict(CHECK_DESCRIBE=1, CHECK_PARTS=1)),
-    # This launch gets SIGTERM in step 2, at its third micro-batch. Then every rank is in the
-    # loop, because step 1's all-reduce waited for all of them.
-    "stopped": Planned("torchrun", 1, 2, "stopped", dict(CHECK_STOP_AT=3)),
+    # This launch gets SIGTERM in step 2, at its fourth micro-batch. By then every rank has sent
+    # its stop vote of step 2 without the signal, and rank 0 sends it in its vote of step 3. So
+    # every rank stops after step 3, in the middle of an epoch, whenever the other ranks get it.
+    "stopped": Planned("torchrun", 1, 2, "stopped", dict(CHECK_STOP_AT=4)),
     "spawn": Planned("spawn", 1, 1, "spawn", {}),
     # Check 2's launches are 1 x 2B, 2 x B, 1 x B x 2 accumulated, and the control at twice the
     # rate. They run the user's loop and loss, with BatchNorm, dropout, autocast and the Dataset's
