@@ -676,6 +676,19 @@ class CopyCheck:
             return []
         return [torch.load(path, weights_only=True) for path in paths]
 
+    def numbers_that_restarted(self) -> list[str]:
+        """Return a line for each plain number of the model's modules or the script's globals that
+        differs between the uninterrupted run and the resumed run at their last save on rank 0."""
+        paths = [self.records(name) / "numbers.0.json" for name in ("torchrun", "resumed")]
+        if not all(path.exists() for path in paths):
+            return []
+        whole, resumed = (json.loads(path.read_text()) for path in paths)
+        return [
+            f"{key} is {whole[key]} in the uninterrupted run and {resumed[key]} after the resume"
+            for key in sorted(whole.keys() & resumed.keys())
+            if whole[key] != resumed[key]
+        ]
+
 
 def unlike(a: dict, b: dict) -> list[str]:
     """Return the keys of two saves of the checkpoint's parts whose values differ."""
@@ -1072,6 +1085,15 @@ def check_resume(c: CopyCheck) -> Verdict:
             5, "pass", f"{figure}: the same batches in the same order; not bit-identical, as the "
             "Dataset draws random numbers in DataLoader workers, which start afresh at a resume",
         )  # fmt: skip
+    counters = c.numbers_that_restarted()
+    if counters:
+        return Verdict(
+            5,
+            "FAIL",
+            f"{figure}; the same batches in the same order; {counters[0]}",
+            "a number that the checkpoint does not hold started again at the resume: keep it in a "
+            "buffer of the model (register_buffer) or in a part that the checkpoint holds",
+        )
     return Verdict(
         5, "FAIL", f"{figure}; the same batches in the same order",
         "state that the checkpoint does not hold, such as a generator of your own (a "

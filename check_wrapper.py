@@ -231,19 +231,38 @@ class RecordedLoader(DataLoader):
             yield batch
 
 
-def showing_parts(save_checkpoint):
+def showing_parts(save_checkpoint, modules):
     """Wrap the script's save_checkpoint, so that each rank saves the checkpoint's parts as it holds
     them, in parts.RANK.pt. Check 5 compares them across the ranks and across a resume. An
-    argument with a dict `stateful_parts` holds the parts, as the script's TrainState does."""
+    argument with a dict `stateful_parts` holds the parts, as the script's TrainState does. Each
+    rank also saves the numbers that the checkpoint does not hold, which check 5 names as a cause."""
 
     def save(*args, **kwargs):
         for value in (*args, *kwargs.values()):
             parts = getattr(value, "stateful_parts", None)
             if isinstance(parts, dict) and all(hasattr(p, "state_dict") for p in parts.values()):
                 save_parts(parts)
+                with own_writes(), open(os.path.join(RECORDS, f"numbers.{RANK}.json"), "w") as f:
+                    json.dump(plain_numbers(parts.get("model"), modules), f)
         return save_checkpoint(*args, **kwargs)
 
     return save
+
+
+def plain_numbers(model, modules):
+    """Return the int and float attributes of the model's modules and the globals of the script's
+    modules. No checkpoint holds them, so a counter among them starts again at a resume."""
+    numbers = {}
+    for module in modules:
+        for name, value in vars(module).items():
+            if type(value) in (int, float):
+                numbers[f"{module.__name__}.{name}"] = value
+    if isinstance(model, torch.nn.Module):
+        for path, submodule in model.named_modules(prefix="model"):
+            for name, value in vars(submodule).items():
+                if type(value) in (int, float):
+                    numbers[f"{path}.{name}"] = value
+    return numbers
 
 
 def save_parts(parts):
@@ -368,7 +387,12 @@ def install(target):
     target.compute_loss, target.report = compute_loss, report
     target.DataLoader = RecordedLoader
     if "CHECK_PARTS" in env and hasattr(target, "save_checkpoint"):
-        target.save_checkpoint = showing_parts(target.save_checkpoint)
+        modules = {target}
+        for function in task.values():
+            module = sys.modules.get(getattr(function, "__module__", None) or "")
+            if module is not None:
+                modules.add(module)
+        target.save_checkpoint = showing_parts(target.save_checkpoint, modules)
     if NEUTRAL:
         switch_off_dropout()
         switch_off_autocast()

@@ -1783,6 +1783,22 @@ def compute_loss(model, batch, args):
 ddp_train.compute_loss = compute_loss
 """,
     ),
+    # The model counts its training forwards in a plain attribute, which no checkpoint holds.
+    "module-counter": (
+        {5: "model.calls is 8 in the uninterrupted run"},
+        """
+class Annealed(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.calls = 0
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        return self.model(x) * min(1.0, 0.5 + self.calls / 20)
+ddp_train.build_model = lambda args: Annealed(model_default(args))
+""",
+    ),
     # This copy draws noise in compute_loss and divides its loss by --grad-accum, which the loop
     # does already. The draws cannot explain the gap, and --eval-only at two --grad-accum names it.
     "noisy-loss-double-accum": (
