@@ -270,8 +270,8 @@ def save_parts(parts):
     for name, part in parts.items():
         state = part.state_dict()
         # DDP sends rank 0's buffers to every rank before each forward, so a rank's own buffers,
-        # such as BatchNorm's statistics, may differ after a step.
-        if name == "model" and isinstance(part, torch.nn.Module):
+        # such as BatchNorm's statistics, may differ after a step. So may an EMA's average of them.
+        if isinstance(part, torch.nn.Module):
             buffers = {key for key, _ in part.named_buffers()}
             state = {key: value for key, value in state.items() if key not in buffers}
         flatten(state, name, values)

@@ -143,6 +143,10 @@ def compute_loss(model, batch, args):
         if "maps" in variant and str(calls[0]) in env["MAPS_AT"].split(","):  # the files it maps
             with open("/proc/self/maps") as maps, open(f"{env['RECORD']}.{env.get('RANK', 0)}.{calls[0]}", "w") as f:
                 f.write(maps.read())
+        if "options" in variant and calls[0] == 3:  # the matmul precision, and the child processes
+            children = [p for p in os.listdir("/proc") if p.isdigit() and parent_of(p) == os.getpid()]
+            with open(f"{env['RECORD']}.options.{env.get('RANK', 0)}", "w") as f:
+                f.write(f"{torch.get_float32_matmul_precision()} {len(children)}")
         if "slowtrain" in variant:  # each micro-batch takes at least 0.2 s
             time.sleep(0.2)
         if "waitjoin" in variant and env["WORLD_SIZE"] == "1":
@@ -173,6 +177,15 @@ def compute_loss(model, batch, args):
     return loss, metrics
 
 
+def parent_of(pid):
+    with contextlib.suppress(OSError):
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+
+def configure_torch(args):  # (options)
+    torch.set_float32_matmul_precision("medium")
+
+
 def build_optimizer(args, model, plan):
     return torch.optim.SGD(model.parameters(), lr=args.lr)
 
@@ -181,11 +194,22 @@ def build_scheduler(args, optimizer, plan):
     return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=plan.total_steps)
 
 
+def build_plateau(args, optimizer, plan):  # (plateau: halves the rate after an eval loss not 30% below the best)
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=0.3)
+
+
+def make_data_once_per_call(args):  # (downloads: notes each call of cached.py's make_data)
+    with open(f"{os.environ['DATA_CACHE']}.downloads", "a") as f:
+        f.write(f"rank {args.rank} local rank {args.local_rank}\\n")
+    return make_data_of_the_recipe(args)
+
+
 def report(record, args, model):
     with open(f"{env['RECORD']}.{env.get('RANK', 0)}", "a") as f:
         f.write(repr(record) + "\\n")
     first_run = not os.path.exists(f"{env['RECORD']}.first")
-    if record["step"] == int(env.get("FAIL_STEP", -1)) and first_run:
+    failing_kind = record["kind"] in env.get("FAIL_KINDS", record["kind"])  # all kinds by default
+    if record["step"] == int(env.get("FAIL_STEP", -1)) and failing_kind and first_run:
         open(f"{env['RECORD']}.first", "w").close()
         if "killreport" in variant:  # killed between the step's checkpoint and its other records
             os.kill(os.getpid(), signal.SIGKILL)
@@ -319,6 +343,12 @@ if "sgd" in variant:
     ddp_train.build_optimizer = build_optimizer
 if "onecycle" in variant:
     ddp_train.build_scheduler = build_scheduler
+if "options" in variant:
+    ddp_train.configure_torch = configure_torch
+if "plateau" in variant:
+    ddp_train.build_scheduler = build_plateau
+if "downloads" in variant:
+    make_data_of_the_recipe, base.make_data = base.make_data, make_data_once_per_call
 if "report" in variant:
     ddp_train.report = report
 if "masked" in variant:
@@ -382,12 +412,16 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="session")
 def project(tmp_path_factory) -> Path:
-    """Return a user's project directory. It holds a copy of ddp_train.py, the two examples and
-    user.py."""
+    """Return a user's project directory. It holds a copy of ddp_train.py, the two examples, the
+    README's recipes, such as ema.py, and user.py. BASE=ema makes user.py run ema.py's task."""
     with shared(tmp_path_factory, "project") as d:
         if not (d / "done").exists():
             for name in ("ddp_train.py", "examples/digits.py", "examples/tinylm.py"):
                 shutil.copy(ROOT / name, d)
+            for language, text, _ in readme_blocks():
+                recipe = re.match(r"# (\w+\.py): ", text)
+                if language == "python" and recipe:
+                    (d / recipe.group(1)).write_text(text)
             (d / "user.py").write_text(USER_PY.lstrip())
     return d
 

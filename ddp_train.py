@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing import errors
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, default_collate
 
 try:  # numpy is optional. If a Dataset draws from numpy, we seed and checkpoint its generator.
@@ -87,9 +87,16 @@ class InMemory(TensorDataset):
         return tuple(tensor.index_select(0, rows) for tensor in self.tensors)
 
 
+def configure_torch(args):
+    """Set torch's global options here, such as torch.backends.cudnn.benchmark = True, or TF32 with
+    torch.set_float32_matmul_precision("high"). Every rank calls this before it builds the task."""
+
+
 def build_datasets(args):
     """Return (train_set, eval_set). Both are map-style Datasets, which have a __len__, and every
-    rank builds the same ones. The eval_set may be None or empty, and then nothing is evaluated."""
+    rank builds the same ones. The eval_set may be None or empty, and then nothing is evaluated.
+    args.rank and args.local_rank say where this process is. So the local rank 0 of each node can
+    download the data, while the other ranks wait at a dist.barrier()."""
     check(args.num_samples >= 0, f"--num-samples is {args.num_samples}: it is at least 0")
     check(args.eval_samples >= 0, f"--eval-samples is {args.eval_samples}: it is at least 0")
     generator = torch.Generator().manual_seed(args.seed)
@@ -140,6 +147,14 @@ def compute_loss(model, batch, args):
     return loss, {"accuracy": (logits.argmax(dim=1) == targets).float().mean()}
 
 
+def eval_metrics(means, args):
+    """Return the metrics that an evaluation logs, from the means of compute_loss's loss and
+    metrics over the whole eval set. A metric that is not a mean over items, such as a macro-F1, is
+    made here from the means of its parts, as in examples/digits.py. Only what this returns is
+    logged, and it keeps "loss". Every rank calls it with the same means."""
+    return means
+
+
 def build_optimizer(args, model, plan):
     """Return one optimizer, or a list of them.
 
@@ -161,7 +176,9 @@ def build_scheduler(args, optimizer, plan):
 
     The script steps it after each optimizer step, and each checkpoint saves it. The default warms
     up linearly over --warmup-steps and then decays to 0 along a cosine. A schedule in epochs takes
-    plan.steps_per_epoch, as in StepLR(optimizer, step_size=plan.steps_per_epoch)."""
+    plan.steps_per_epoch, as in StepLR(optimizer, step_size=plan.steps_per_epoch). A scheduler
+    with scheduler.per_epoch = True steps after each epoch's last step instead, as torchvision's
+    recipes step theirs. A ReduceLROnPlateau steps after each evaluation, with the eval loss."""
 
     def factor(step):  # The step argument counts the optimizer steps done before this one.
         if step < args.warmup_steps:
@@ -172,12 +189,21 @@ def build_scheduler(args, optimizer, plan):
     return LambdaLR(optimizer, factor)
 
 
+def build_averaged_models(args, model):
+    """Return {name: model} of models that follow the model's weights, such as an EMA, as in
+    {"ema": AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))}. Every rank calls
+    update_parameters(model) on each of them after each optimizer step. Each checkpoint holds them,
+    each evaluation logs them as eval_<name>_loss and so on, and the run ends with <name>.pt."""
+    return {}
+
+
 def report(record, args, model):
     """Rank 0 calls this with each record that it logs. Send the record to W&B or TensorBoard here.
 
     If the record's step saves a checkpoint, the checkpoint is written before this call. The run's
     files are in args.out_dir. The model is the raw module, and its state_dict() holds the weights
-    of the record's step."""
+    of the record's step. A run that trains its last step ends with a last call, with the record
+    {"kind": "end", "step": step}, after it writes model.pt. A logger can finish there."""
 
 
 # ====== 2. Joining the process group, and leaving it =============================================
@@ -328,6 +354,7 @@ class TrainState:
     ddp_model: nn.Module  # DDP's wrapper gives no_sync(). A single process has the raw module here.
     forward_model: nn.Module  # compute_loss calls this. It is the DDP model or its compiled form.
     stateful_parts: dict  # A checkpoint saves and restores each of these by its name.
+    averaged_models: dict  # These follow the model's weights, as build_averaged_models() says.
     optimizers: list
     schedulers: list
     scaler: torch.amp.GradScaler  # It scales fp16's loss, and it is disabled otherwise.
@@ -365,8 +392,8 @@ def train(args, world):
     plan, progress = state.plan, state.progress
     # A resume first removes the records that the checkpoint's step did not reach. A stop or a crash
     # after a save can leave that step's evaluation undone, and it runs now.
-    kinds_written = truncate_metrics_after(args, world, progress.step)
-    evaluate_if_due(args, world, state, kinds_written)
+    written = truncate_metrics_after(args, world, progress.step)
+    evaluate_if_due(args, world, state, written)
     if progress.step >= plan.total_steps:
         return finish_completed_run(args, world, state)
     log_header(args, world, state)
@@ -404,9 +431,7 @@ def train(args, world):
                 write_record(args, world, record, plan.total_steps)
                 progress.totals_since_log = Totals()
             if step == plan.total_steps and world.rank == 0:
-                # Trap: Save the raw module. DDP adds "module." to every key, and compile adds
-                # "_orig_mod.". model.pt comes before the final checkpoint, which ends the run.
-                atomic_save(state.raw_model.state_dict(), f"{args.out_dir}/model.pt")
+                save_weights(args, state)  # This comes before the final checkpoint ends the run.
             if save_now:
                 save_checkpoint(args, world, state)
             if record and world.rank == 0:
@@ -415,9 +440,11 @@ def train(args, world):
                 stop.restore()
                 log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
                 return EXIT_STOPPED
-            evaluate_if_due(args, world, state, kinds_written=set())
+            evaluate_if_due(args, world, state, written={})
     stop.restore()
     log(f"saved {args.out_dir}/model.pt after {progress.step} steps")
+    if world.rank == 0:
+        report({"kind": "end", "step": progress.step}, args, state.raw_model)
     return 0
 
 
@@ -459,12 +486,24 @@ def train_step(args, world, state, batches, stop, want_norm):
             max_norm = args.clip_grad_norm
         grad_norm = nn.utils.clip_grad_norm_(state.raw_model.parameters(), max_norm)
     lr = state.optimizers[0].param_groups[0]["lr"]
+    epoch_ends = (state.progress.step + 1) % state.plan.steps_per_epoch == 0
     for optimizer, scheduler in zip(state.optimizers, state.schedulers):
         state.scaler.step(optimizer)
-        scheduler.step()
+        if steps_now(scheduler, epoch_ends):
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     state.scaler.update()
+    for averaged in state.averaged_models.values():
+        averaged.update_parameters(state.raw_model)
     return lr, grad_norm
+
+
+def steps_now(scheduler, epoch_ends):
+    """Return whether a scheduler steps after this optimizer step. A ReduceLROnPlateau steps after
+    evaluations instead, and a scheduler marked per_epoch after the last step of an epoch."""
+    if isinstance(scheduler, ReduceLROnPlateau):
+        return False
+    return epoch_ends or not getattr(scheduler, "per_epoch", False)
 
 
 # ====== 4. Exact means ============================================================================
@@ -560,8 +599,9 @@ def check_finite(loss_sum, model, step):
 
 
 @torch.no_grad()
-def evaluate(args, world, model, eval_loader, autocast):
-    """All ranks compute the exact means over the eval set, as {eval_<name>: mean}.
+def evaluate(args, world, model, eval_loader, autocast, prefix="eval_"):
+    """All ranks compute the exact means over the eval set, and eval_metrics() turns them into the
+    record's {eval_<name>: value}. The prefix of an averaged model is eval_<its name>_.
 
     Each sample counts once. Rank r evaluates samples r, r + world size, and so on, because
     DistributedSampler would pad the shares with repeated samples. compute_loss gets the raw
@@ -594,7 +634,9 @@ def evaluate(args, world, model, eval_loader, autocast):
     totals = Totals()
     for rank_sums, rank_count in per_rank:
         totals.add(rank_sums, rank_count)
-    metrics = totals.means("eval_") | {"eval_samples": len(eval_loader.dataset)}
+    means = eval_metrics(totals.means(""), args)
+    metrics = {f"{prefix}{name}": value for name, value in means.items()}
+    metrics["eval_samples"] = len(eval_loader.dataset)
     if COUNT_UNIT != "samples":
         metrics[f"eval_{COUNT_UNIT}"] = totals.count
     return metrics
@@ -610,18 +652,21 @@ def progress_record(step, epoch, lr, grad_norm, progress, speed):
     return record
 
 
-def evaluate_if_due(args, world, state, kinds_written):
+def evaluate_if_due(args, world, state, written):
     """If the last step ends an epoch or is due for an evaluation, all ranks evaluate, and rank 0
     writes the epoch or eval record and gives it to report(). An epoch record evaluates too, so no
-    eval record comes beside it. A record whose kind is in kinds_written is in metrics.jsonl
-    already, and it is not made again."""
+    eval record comes beside it. The records in written, {kind: record}, are in metrics.jsonl
+    already, and they are not made again. A ReduceLROnPlateau steps with the record's eval loss."""
     plan = state.plan
     step = state.progress.step
     at_epoch_end = step % plan.steps_per_epoch == 0 or step == plan.total_steps
     has_eval_set = len(state.eval_loader.dataset) > 0
     eval_now = has_eval_set and args.eval_every > 0 and step % args.eval_every == 0
     kind = "epoch" if at_epoch_end else "eval"
-    if step == 0 or kind in kinds_written:
+    if step == 0:
+        return
+    if kind in written:  # The checkpoint was saved before this evaluation, and before its plateau.
+        step_plateaus(state, written[kind])
         return
     if not at_epoch_end and not eval_now:
         return
@@ -630,9 +675,22 @@ def evaluate_if_due(args, world, state, kinds_written):
         record.update(epoch_metrics(world, state))
     if has_eval_set:
         record.update(evaluate(args, world, state.raw_model, state.eval_loader, state.autocast))
+        for name, averaged in state.averaged_models.items():
+            averaged_record = evaluate(
+                args, world, averaged.module, state.eval_loader, state.autocast, f"eval_{name}_"
+            )
+            record.update(averaged_record)
     write_record(args, world, record, plan.total_steps)
     if world.rank == 0:
         report(record, args, state.raw_model)
+    step_plateaus(state, record)
+
+
+def step_plateaus(state, record):
+    """Every rank steps each ReduceLROnPlateau with the eval loss of the record."""
+    for scheduler in state.schedulers:
+        if isinstance(scheduler, ReduceLROnPlateau) and "eval_loss" in record:
+            scheduler.step(record["eval_loss"])
 
 
 def epoch_metrics(world, state):
@@ -717,10 +775,11 @@ def write_record(args, world, record, total_steps, to_file=True):
 
 def truncate_metrics_after(args, world, step):
     """Rank 0 removes the records past the checkpoint's step from metrics.jsonl, as TensorBoard's
-    purge_step does, because the run writes them again. Return the kinds of record that the file
-    holds at the step, on every rank, so that the run writes only the ones that it lacks."""
+    purge_step does, because the run writes them again. Return the records that the file holds at
+    the step, as {kind: record}, on every rank, so that the run writes only the ones that it
+    lacks."""
     path = f"{args.out_dir}/metrics.jsonl"
-    kinds = []
+    written = {}
     kept_lines = []
     if world.rank == 0 and os.path.exists(path):
         with open(path) as f:
@@ -731,15 +790,15 @@ def truncate_metrics_after(args, world, step):
                         # A line that a crash cut just after its record is whole but has no newline.
                         kept_lines.append(line.rstrip("\n") + "\n")
                     if record["step"] == step:
-                        kinds.append(record["kind"])
+                        written[record["kind"]] = record
         with open(f"{path}.tmp", "w") as f:
             f.writelines(kept_lines)
         os.replace(f"{path}.tmp", path)
-    if world.world_size > 1:  # All ranks need the kinds, because they all evaluate.
-        shared = [kinds]
+    if world.world_size > 1:  # All ranks need the records, because they all evaluate.
+        shared = [written]
         dist.broadcast_object_list(shared, src=0, group=world.gloo_group)
-        kinds = shared[0]
-    return set(kinds)
+        written = shared[0]
+    return written
 
 
 def finish_completed_run(args, world, state):
@@ -747,13 +806,21 @@ def finish_completed_run(args, world, state):
     always holds the weights of the run that the checkpoint finished, even if the same out-dir had
     an earlier run of fewer steps."""
     if world.rank == 0:
-        atomic_save(state.raw_model.state_dict(), f"{args.out_dir}/model.pt")
+        save_weights(args, state)
     log(
         f"{args.out_dir} holds a finished run ({state.progress.step} steps): nothing to train. "
         "Raise --epochs or --max-steps to train on, or pass another --out-dir"
     )
     log(f"saved {args.out_dir}/model.pt after {state.progress.step} steps")
     return 0
+
+
+def save_weights(args, state):
+    """Rank 0 writes model.pt, and <name>.pt for each averaged model."""
+    # Trap: Save the raw module. DDP adds "module." to every key, and compile adds "_orig_mod.".
+    atomic_save(state.raw_model.state_dict(), f"{args.out_dir}/model.pt")
+    for name, averaged in state.averaged_models.items():
+        atomic_save(averaged.module.state_dict(), f"{args.out_dir}/{name}.pt")
 
 
 def log_header(args, world, state):
@@ -780,7 +847,7 @@ def log_header(args, world, state):
 # A checkpoint of another format is of another version of ddp_train.py, and the script refuses it.
 CHECKPOINT_FORMAT = 3
 # A resume does not compare these flags with the checkpoint's, since they may change freely.
-FREE_AT_RESUME = ("out_dir", "eval_only", "spawn", "local_rank", "timeout")
+FREE_AT_RESUME = ("out_dir", "eval_only", "spawn", "rank", "local_rank", "timeout")
 
 
 def save_checkpoint(args, world, state):
@@ -1049,9 +1116,8 @@ def setup_training(args, world):
         optimizers = [optimizers]  # The task may return one optimizer or a list of them.
     schedulers = [build_scheduler(args, optimizer, plan) for optimizer in optimizers]
     scaler = torch.amp.GradScaler(world.device.type, enabled=args.amp == "fp16")
-    stateful_parts = {"model": model, "scaler": scaler}
-    for i, (optimizer, scheduler) in enumerate(zip(optimizers, schedulers)):
-        stateful_parts |= {f"optimizer{i}": optimizer, f"scheduler{i}": scheduler}
+    averaged_models = build_averaged_models(args, model)
+    stateful_parts = name_parts(model, scaler, optimizers, schedulers, averaged_models)
     # DDP: Each rank gets a random stream of its own, so that dropout differs between the ranks.
     seed_everything(args.seed + 1 + world.rank)
     progress = SavedProgress()
@@ -1063,7 +1129,8 @@ def setup_training(args, world):
         train_set, world.world_size, world.rank, seed=args.seed, drop_last=True
     )
     batch_sampler = ResumableBatchSampler(sampler, args.batch_size, plan)
-    loader = DataLoader(train_set, batch_sampler=batch_sampler, **loader_options(args, world))
+    options = loader_options(args, world, args.workers)
+    loader = DataLoader(train_set, batch_sampler=batch_sampler, **options)
     eval_loader = make_eval_loader(args, world, eval_set)
     # Trap: The workers start now, once, before any collective. On Python before 3.12, a fork while
     # a gloo or NCCL thread frees a finished collective can deadlock the child (CPython #112275).
@@ -1089,6 +1156,7 @@ def setup_training(args, world):
         ddp_model=ddp_model,
         forward_model=torch.compile(ddp_model) if args.compile else ddp_model,
         stateful_parts=stateful_parts,
+        averaged_models=averaged_models,
         optimizers=optimizers,
         schedulers=schedulers,
         scaler=scaler,
@@ -1100,8 +1168,21 @@ def setup_training(args, world):
     )
 
 
+def name_parts(model, scaler, optimizers, schedulers, averaged_models):
+    """Return {name: part} of every part that a checkpoint saves and restores."""
+    parts = {"model": model, "scaler": scaler}
+    for i, (optimizer, scheduler) in enumerate(zip(optimizers, schedulers)):
+        parts |= {f"optimizer{i}": optimizer, f"scheduler{i}": scheduler}
+    taken = sorted(parts.keys() & averaged_models.keys())
+    check(not taken, f"build_averaged_models names {taken}, which the checkpoint uses: rename them")
+    return parts | averaged_models
+
+
 def build_task(args, world):
     """Return (train_set, eval_set, model). They are the same on every rank and world size."""
+    args.rank = world.rank  # The task's functions may read where this process is.
+    args.local_rank = world.local_rank
+    configure_torch(args)
     seed_everything(args.seed)  # This comes first, so a random split agrees across the ranks.
     train_set, eval_set = build_datasets(args)
     if eval_set is None:
@@ -1166,13 +1247,13 @@ def check_same_start(world, step):
         )
 
 
-def loader_options(args, world):
+def loader_options(args, world, workers):
     """Return the DataLoader options that both loaders share."""
     return dict(
         collate_fn=collate_fn,
-        num_workers=args.workers,
+        num_workers=workers,
         worker_init_fn=ignore_signals,  # Trap: ignore_signals() says why.
-        persistent_workers=args.workers > 0,
+        persistent_workers=workers > 0,
         pin_memory=world.device.type == "cuda",
         # Trap: Each rank needs a generator of its own. Otherwise the workers' seeds come from the
         # global generator, which is the same on every rank, and the ranks augment alike.
@@ -1181,9 +1262,11 @@ def loader_options(args, world):
 
 
 def make_eval_loader(args, world, eval_set):
-    """Return the eval DataLoader. Its shares do not overlap, as evaluate() says."""
+    """Return the eval DataLoader. Its shares do not overlap, as evaluate() says. Its workers are
+    --eval-workers, and the default of 0 keeps no worker idle while the run trains."""
     share = range(world.rank, len(eval_set), world.world_size)
-    return DataLoader(eval_set, args.batch_size, sampler=share, **loader_options(args, world))
+    options = loader_options(args, world, args.eval_workers)
+    return DataLoader(eval_set, args.batch_size, sampler=share, **options)
 
 
 def start_workers(loader):
@@ -1353,6 +1436,7 @@ def parse_args(argv=None):
     least_values = {"epochs": 1, "batch_size": 1, "grad_accum": 1, "max_steps": 0, "lr": 0}
     least_values |= {"warmup_steps": 0, "weight_decay": 0, "clip_grad_norm": 0, "seed": 0}
     least_values |= {"log_every": 0, "eval_every": 0, "save_every": 0, "workers": 0}
+    least_values |= {"eval_workers": 0}
     least_values |= {"timeout": 0, "spawn": 0}
     for name, least in least_values.items():
         value = getattr(args, name)
@@ -1386,6 +1470,7 @@ def add_script_flags(parser):
     parser.add_argument("--amp", default="off", choices=["off", "bf16", "fp16"], help="autocast")
     parser.add_argument("--compile", action=switch, default=False, help="compile the DDP model")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per process")
+    parser.add_argument("--eval-workers", type=int, default=0, help="the eval DataLoader's")
     parser.add_argument(
         "--find-unused-parameters", action=switch, default=False, help="DDP's option"
     )

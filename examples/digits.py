@@ -1,9 +1,9 @@
 """digits.py: a user's own project on top of ddp_train.py, without editing ddp_train.py.
 
-It replaces two task functions with its own. Its Dataset holds 8x8 images of digits, and it
+It replaces four task functions with its own. Its Dataset holds 8x8 images of digits, and it
 augments every sample at random with torch, Python's random and numpy. Its model is a small CNN
-with BatchNorm and Dropout. The file hands these functions to ddp_train and calls its main(). So
-it launches exactly like ddp_train.py itself:
+with BatchNorm and Dropout. Its evaluation logs a macro-F1 over the whole eval set. The file hands
+these functions to ddp_train and calls its main(). So it launches exactly like ddp_train.py itself:
 
     python digits.py                          # This needs ddp_train.py beside it, or PYTHONPATH=..
     python digits.py --spawn 2
@@ -22,6 +22,7 @@ import sys
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.data import Dataset, random_split
 
 import ddp_train
@@ -101,9 +102,41 @@ def build_model(args):
     )
 
 
+def compute_loss(model, batch, args):
+    """In evaluation, the metrics are the accuracy and, for each class c, the shares of the batch
+    that are true positives (tp_c), false positives (fp_c) and false negatives (fn_c) of c."""
+    images, labels = batch
+    logits = model(images).float()
+    loss = F.cross_entropy(logits, labels)
+    if model.training:
+        return loss
+    predicted = logits.argmax(dim=1)
+    metrics = {"accuracy": (predicted == labels).float().mean()}
+    for c in range(10):
+        metrics[f"tp_{c}"] = ((predicted == c) & (labels == c)).float().mean()
+        metrics[f"fp_{c}"] = ((predicted == c) & (labels != c)).float().mean()
+        metrics[f"fn_{c}"] = ((predicted != c) & (labels == c)).float().mean()
+    return loss, metrics
+
+
+def eval_metrics(means, args):
+    """The macro-F1 is the mean over the classes of 2 tp / (2 tp + fp + fn). The means over the
+    whole eval set are its counts divided by its size, so they give the same ratio. A class that is
+    neither labelled nor predicted has an F1 of 0. The shares themselves are not logged."""
+    f1_scores = []
+    for c in range(10):
+        tp, fp, fn = means[f"tp_{c}"], means[f"fp_{c}"], means[f"fn_{c}"]
+        f1_scores.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn > 0 else 0.0)
+    macro_f1 = sum(f1_scores) / len(f1_scores)
+    return {"loss": means["loss"], "accuracy": means["accuracy"], "macro_f1": macro_f1}
+
+
 # The file hands its functions to ddp_train when it is imported, and not only when it runs as a
 # script. The workers of --spawn import it afresh, and they need the functions too.
-ddp_train.build_datasets, ddp_train.build_model = build_datasets, build_model
+ddp_train.build_datasets = build_datasets
+ddp_train.build_model = build_model
+ddp_train.compute_loss = compute_loss
+ddp_train.eval_metrics = eval_metrics
 
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
