@@ -1939,13 +1939,17 @@ ddp_train.compute_loss = compute_loss
             "tinylm.py",
         ),
     ),
+    # digits' own compute_loss, whose loss is summed over the batch. Its metrics stay, because
+    # digits' eval_metrics makes the macro-F1 from them.
     "digits-summed-loss": (
         {2: "a sum"},
         """
 import digits
 def compute_loss(model, batch, args):
-    inputs, targets = batch
-    return F.cross_entropy(model(inputs), targets, reduction="sum")
+    output = digits.compute_loss(model, batch, args)
+    loss, metrics = output if isinstance(output, tuple) else (output, None)
+    summed = loss * len(batch[1])  # the sum over the batch, where the mean belongs
+    return summed if metrics is None else (summed, metrics)
 ddp_train.compute_loss = compute_loss
 """,
     ),
