@@ -429,6 +429,12 @@ def call_task(function, *arguments):
     return function(*arguments[: len(parameters)])
 
 
+def collate(target, args, training):
+    """Return the copy's collate_fn as a function of the items alone, as the copy's training loader
+    or eval loader calls it."""
+    return lambda items: call_task(target.collate_fn, items, args, training)
+
+
 def to_float64(batch):
     """Return a batch with its floating tensors in float64, for the check's independent figures."""
     if torch.is_tensor(batch):
@@ -633,7 +639,7 @@ def calibrate_batch_norms(target, task, argv):
         with torch.no_grad():
             for start in range(0, len(train_set), batch_size):
                 indices = list(range(start, min(start + batch_size, len(train_set))))
-                batch = target.collate_fn(read_items(train_set.dataset, indices))
+                batch = collate(target, args, True)(read_items(train_set.dataset, indices))
                 call_task(task["compute_loss"], model, batch, args)
     finally:
         restore()
@@ -699,7 +705,8 @@ def probe(target, task, argv, inputs):
     # first items. The model and compute_loss are the user's own, from task.
     train_set, eval_set = target.build_datasets(args)
     train_set.kept = {}  # Each figure below compares losses over the same items, read once.
-    losses = Losses(args, task, target.collate_fn)
+    losses = Losses(args, task, collate(target, args, True))
+    eval_losses = Losses(args, task, collate(target, args, False))
     initial, final, micro_batches = inputs["initial"], inputs["final"], inputs["first_step"]
     items = [i for batch in micro_batches for i in batch]
     each = [[i] for i in items]
@@ -724,15 +731,17 @@ def probe(target, task, argv, inputs):
             initial, False, train_set, [items[: len(items) // 2], items[len(items) // 2 :]]
         )[0]
         found["loss_2b_over_b"] = both / halves if halves else 1.0
-        found["collate_mixes"] = collate_mixes(target.collate_fn, train_set, items)
+        found["collate_mixes"] = collate_mixes(losses.collate_fn, train_set, items)
         # The eval loss uses single's final weights, with each eval item alone. A compute_loss that
         # draws noise in evaluation, as a denoiser's does, gives another loss from another state.
         if eval_set is not None and len(eval_set):
             evaluated = inputs["evaluated"]
-            draws = [losses.mean(evaluated, False, eval_set, [[0]], seed=s)[0] for s in (1, 2)]
+            draws = [eval_losses.mean(evaluated, False, eval_set, [[0]], seed=s)[0] for s in (1, 2)]
             found["eval_random"] = draws[0] != draws[1]
             per_item = [[i] for i in range(len(eval_set))]
-            (found["eval_loss"], _), _ = losses.mean_float64(evaluated, False, eval_set, per_item)
+            (found["eval_loss"], _), _ = eval_losses.mean_float64(
+                evaluated, False, eval_set, per_item
+            )
     found["load_error"] = load_error(task["build_model"](args), final)
     statistics = calibrate_batch_norms(target, task, argv)
     found["neutral"] = neutral_figures(losses, inputs, train_set, statistics)
@@ -916,7 +925,7 @@ def sgd_rate(target, task, argv, statistics):
     global_batch = int(env["CHECK_GLOBAL_BATCH"])
     starts = range(0, size, global_batch)
     batches = [
-        target.collate_fn(read(train_set, list(range(i, min(i + global_batch, size)))))
+        collate(target, args, True)(read(train_set, list(range(i, min(i + global_batch, size)))))
         for i in starts
     ]
     training_loss(task, model, batches[0], args).backward()

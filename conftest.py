@@ -353,7 +353,8 @@ if "report" in variant:
     ddp_train.report = report
 if "masked" in variant:
     ddp_train.build_datasets = lambda args: [d and Masked(d) for d in build_datasets(args)]
-    ddp_train.collate_fn, ddp_train.COUNT_UNIT, loss_of = torch.utils.data.default_collate, "tokens", masked_loss
+    ddp_train.collate_fn = lambda items, args, training: torch.utils.data.default_collate(items)
+    ddp_train.COUNT_UNIT, loss_of = "tokens", masked_loss
     count_of = count_targets
 if "indices" in variant:
     ddp_train.build_datasets = lambda args: [d and Indexed(d) for d in build_datasets(args)]
@@ -367,9 +368,11 @@ if "iterable" in variant:  # an IterableDataset: no __len__
             return iter(range(10))
     ddp_train.build_datasets = lambda args: (Stream(), None)
 if "namedtuple" in variant:  # batches as namedtuples
-    ddp_train.collate_fn = lambda items: Batch(*collate_default(items))
+    ddp_train.collate_fn = lambda items, args, training: Batch(*collate_default(items, args, training))
 if "encoded" in variant:  # batches as a tokenizer gives them
-    ddp_train.collate_fn = lambda items: Encoded(zip(("inputs", "targets"), collate_default(items)))
+    ddp_train.collate_fn = lambda items, args, training: Encoded(
+        zip(("inputs", "targets"), collate_default(items, args, training))
+    )
 if "tokens" in variant:  # the default task's count, an int, as tokens: a token run of ints
     ddp_train.COUNT_UNIT = "tokens"
 if "frozen" in variant:  # the first BatchNorm kept in eval mode (fine-tuning): no statistics move

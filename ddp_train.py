@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import math
@@ -116,10 +117,12 @@ def build_model(args):
     )
 
 
-def collate_fn(items):
+def collate_fn(items, args, training):
     """Turn what the Dataset gave for a batch into the batch. A list of items goes through
     default_collate, which stacks them, and items of different shapes need a collate_fn that pads,
-    as in examples/tinylm.py. InMemory gives a whole batch as a tuple of tensors, which stays."""
+    as in examples/tinylm.py. InMemory gives a whole batch as a tuple of tensors, which stays.
+    The args hold the flags. training is False in the eval loader, so that a batch augmentation,
+    such as mixup, stays in training."""
     return items if isinstance(items, tuple) else default_collate(items)
 
 
@@ -346,7 +349,8 @@ class SavedProgress:
 @dataclasses.dataclass
 class TrainState:
     """Everything that training holds. setup_training() makes it. Then only the loop changes it,
-    and train_step() and all_reduce_losses(), which the loop calls."""
+    and the functions that the loop calls: train_step(), all_reduce_losses() and evaluate_if_due(),
+    which steps a ReduceLROnPlateau."""
 
     plan: Plan
     progress: SavedProgress
@@ -411,17 +415,18 @@ def train(args, world):
         for step in range(progress.step + 1, last_step_of_epoch + 1):
             log_now = args.log_every > 0 and step % args.log_every == 0
             batches = [next(micro_batches) for _ in range(plan.grad_accum)]
-            lr, grad_norm = train_step(args, world, state, batches, stop, want_norm=log_now)
+            epoch_ends = step % plan.steps_per_epoch == 0
+            lr, grad_norm = train_step(args, world, state, batches, stop, log_now, epoch_ends)
             progress.step = step
             progress.lr = lr
             state.epoch_seconds = time.perf_counter() - epoch_started
             speed.add(stop.step_items)  # The stop vote counted the step's items on all ranks.
             # After the step come the loss all_reduce, the progress record, model.pt, the save,
             # report(), the stop and the evaluation, in this order.
-            eval_now = args.eval_every > 0 and step % args.eval_every == 0
             periodic_save = args.save_every > 0 and step % args.save_every == 0
             # A step that evaluates saves first, so that a stop during the evaluation loses no step.
-            save_now = periodic_save or eval_now or step == last_step_of_epoch or stop.should_stop
+            evaluates = record_due(args, state, step) is not None
+            save_now = periodic_save or evaluates or stop.should_stop
             if log_now or save_now:
                 sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
                 check_finite(sums["loss"], state.raw_model, step)
@@ -448,11 +453,11 @@ def train(args, world):
     return 0
 
 
-def train_step(args, world, state, batches, stop, want_norm):
+def train_step(args, world, state, batches, stop, want_norm, epoch_ends):
     """All ranks take one optimizer step over this rank's micro-batches of the step.
 
     It returns the step's learning rate and its gradient norm. The norm is a tensor, and it is None
-    unless the step clips or logs it."""
+    unless the step clips or logs it. epoch_ends says whether the step is the last of its epoch."""
     counts = [count_items(batch) for batch in batches]  # They are counted on the CPU.
     stop.start(sum(counts))  # DDP: The stop vote also adds up the ranks' counts of this step.
     for i, (batch, count) in enumerate(zip(batches, counts)):
@@ -486,7 +491,6 @@ def train_step(args, world, state, batches, stop, want_norm):
             max_norm = args.clip_grad_norm
         grad_norm = nn.utils.clip_grad_norm_(state.raw_model.parameters(), max_norm)
     lr = state.optimizers[0].param_groups[0]["lr"]
-    epoch_ends = (state.progress.step + 1) % state.plan.steps_per_epoch == 0
     for optimizer, scheduler in zip(state.optimizers, state.schedulers):
         state.scaler.step(optimizer)
         if steps_now(scheduler, epoch_ends):
@@ -503,7 +507,9 @@ def steps_now(scheduler, epoch_ends):
     evaluations instead, and a scheduler marked per_epoch after the last step of an epoch."""
     if isinstance(scheduler, ReduceLROnPlateau):
         return False
-    return epoch_ends or not getattr(scheduler, "per_epoch", False)
+    if getattr(scheduler, "per_epoch", False):
+        return epoch_ends
+    return True
 
 
 # ====== 4. Exact means ============================================================================
@@ -652,28 +658,35 @@ def progress_record(step, epoch, lr, grad_norm, progress, speed):
     return record
 
 
+def record_due(args, state, step):
+    """Return the kind of record that is due after this step: "epoch" after the last step of an
+    epoch or of the run, "eval" after an --eval-every step of a run with an eval set, or None."""
+    plan = state.plan
+    if step % plan.steps_per_epoch == 0 or step == plan.total_steps:
+        return "epoch"
+    has_eval_set = len(state.eval_loader.dataset) > 0
+    if has_eval_set and args.eval_every > 0 and step % args.eval_every == 0:
+        return "eval"
+    return None
+
+
 def evaluate_if_due(args, world, state, written):
-    """If the last step ends an epoch or is due for an evaluation, all ranks evaluate, and rank 0
+    """If the last step is due for a record, as record_due() says, all ranks evaluate, and rank 0
     writes the epoch or eval record and gives it to report(). An epoch record evaluates too, so no
     eval record comes beside it. The records in written, {kind: record}, are in metrics.jsonl
     already, and they are not made again. A ReduceLROnPlateau steps with the record's eval loss."""
     plan = state.plan
     step = state.progress.step
-    at_epoch_end = step % plan.steps_per_epoch == 0 or step == plan.total_steps
-    has_eval_set = len(state.eval_loader.dataset) > 0
-    eval_now = has_eval_set and args.eval_every > 0 and step % args.eval_every == 0
-    kind = "epoch" if at_epoch_end else "eval"
-    if step == 0:
+    kind = record_due(args, state, step)
+    if step == 0 or kind is None:
         return
     if kind in written:  # The checkpoint was saved before this evaluation, and before its plateau.
         step_plateaus(state, written[kind])
         return
-    if not at_epoch_end and not eval_now:
-        return
     record = {"kind": kind, "step": step, "epoch": math.ceil(step / plan.steps_per_epoch)}
-    if at_epoch_end:
+    if kind == "epoch":
         record.update(epoch_metrics(world, state))
-    if has_eval_set:
+    if len(state.eval_loader.dataset) > 0:
         record.update(evaluate(args, world, state.raw_model, state.eval_loader, state.autocast))
         for name, averaged in state.averaged_models.items():
             averaged_record = evaluate(
@@ -1129,7 +1142,7 @@ def setup_training(args, world):
         train_set, world.world_size, world.rank, seed=args.seed, drop_last=True
     )
     batch_sampler = ResumableBatchSampler(sampler, args.batch_size, plan)
-    options = loader_options(args, world, args.workers)
+    options = loader_options(args, world, args.workers, training=True)
     loader = DataLoader(train_set, batch_sampler=batch_sampler, **options)
     eval_loader = make_eval_loader(args, world, eval_set)
     # Trap: The workers start now, once, before any collective. On Python before 3.12, a fork while
@@ -1247,10 +1260,10 @@ def check_same_start(world, step):
         )
 
 
-def loader_options(args, world, workers):
-    """Return the DataLoader options that both loaders share."""
+def loader_options(args, world, workers, training):
+    """Return the DataLoader options of the training loader or of the eval loader."""
     return dict(
-        collate_fn=collate_fn,
+        collate_fn=functools.partial(collate_fn, args=args, training=training),
         num_workers=workers,
         worker_init_fn=ignore_signals,  # Trap: ignore_signals() says why.
         persistent_workers=workers > 0,
@@ -1265,7 +1278,7 @@ def make_eval_loader(args, world, eval_set):
     """Return the eval DataLoader. Its shares do not overlap, as evaluate() says. Its workers are
     --eval-workers, and the default of 0 keeps no worker idle while the run trains."""
     share = range(world.rank, len(eval_set), world.world_size)
-    options = loader_options(args, world, args.eval_workers)
+    options = loader_options(args, world, args.eval_workers, training=False)
     return DataLoader(eval_set, args.batch_size, sampler=share, **options)
 
 

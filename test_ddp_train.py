@@ -338,7 +338,7 @@ def test_one_sgd_step_of_a_language_model_is_w0_minus_lr_times_the_gradient_of_i
     model = tinylm.build_model(None)
     w0 = {k: v.double() for k, v in model.state_dict().items()}
     train_set, _ = tinylm.build_datasets(None)
-    batch = tinylm.collate_fn([train_set[i] for i in shuffle(26, 0)[:24]])
+    batch = tinylm.collate_fn([train_set[i] for i in shuffle(26, 0)[:24]], None, True)
     inputs, targets = batch["inputs"], batch["targets"]
     want, loss = sgd_step(
         model, lambda m: F.cross_entropy(m(inputs).flatten(0, 1), targets.flatten())
@@ -535,7 +535,7 @@ def test_log_every_gives_rank_0_alone_the_exact_mean_since_the_last_line(project
         model, (data, _) = tinylm.build_model(None).double(), tinylm.build_datasets(None)
 
         def mean_loss(indices):
-            batch = tinylm.collate_fn([data[i] for i in indices])
+            batch = tinylm.collate_fn([data[i] for i in indices], None, True)
             targets = batch["targets"].flatten()
             return F.cross_entropy(model(batch["inputs"]).flatten(0, 1), targets), (
                 targets != -100
@@ -1215,13 +1215,25 @@ def build_scheduler(args, optimizer, plan):
     return scheduler
 
 
+def collate_fn(items, args, training):
+    inputs, targets = collate_default(items, args, training)
+    return inputs, targets, args.label_smoothing, training
+
+
+def count_items(batch):
+    return len(batch[1])
+
+
 def compute_loss(model, batch, args):
-    inputs, targets = batch
-    loss = F.cross_entropy(model(inputs), targets, label_smoothing=args.label_smoothing)
-    return loss, {{"smoothing": torch.tensor(args.label_smoothing)}}
+    inputs, targets, smoothing, training = batch
+    loss = F.cross_entropy(model(inputs), targets, label_smoothing=smoothing)
+    collated_for_training = torch.tensor(float(training))
+    return loss, {{"smoothing": torch.tensor(smoothing), "collated_for_training": collated_for_training}}
 
 
+collate_default = ddp_train.collate_fn
 ddp_train.build_optimizer, ddp_train.build_scheduler = build_optimizer, build_scheduler
+ddp_train.collate_fn, ddp_train.count_items = collate_fn, count_items
 ddp_train.compute_loss, ddp_train.add_task_flags = compute_loss, add_task_flags
 if __name__ == "__main__":
     sys.exit(ddp_train.main())
@@ -1231,18 +1243,21 @@ if __name__ == "__main__":
 @long
 def test_the_task_functions_see_the_plan_and_the_flags(tmp_path):
     # The optimizer scales its rate with the global batch, the schedule halves the rate after each
-    # epoch, and compute_loss reads a flag of the task. The schedule counts its epochs in steps, or
-    # it is a StepLR of one epoch that is marked per_epoch.
+    # epoch, and collate_fn reads a flag of the task and whether its loader trains. The schedule
+    # counts its epochs in steps, or it is a StepLR of one epoch that is marked per_epoch.
     script = tmp_path / "seams.py"
     script.write_text(SEAMS_TASK.format(root=str(ROOT)))
-    args = ["--num-samples", 256, "--eval-samples", 0, "--epochs", 2, "--batch-size", 16]
+    args = ["--num-samples", 256, "--eval-samples", 48, "--epochs", 2, "--batch-size", 16]
     args += ["--grad-accum", 2, "--log-every", 1, "--lr", 0.1, "--label-smoothing", 0.25]
     for schedule in ("--no-per-epoch", "--per-epoch"):
         cmd = torchrun_cmd(2, *args, schedule, script=script)
-        progress = run(cmd, tmp_path, schedule.strip("-")).records("progress")
+        r = run(cmd, tmp_path, schedule.strip("-"))
+        progress, epochs = r.records("progress"), r.records("epoch")
         # Two ranks of 2 micro-batches of 16 make a global batch of 64, and 4 steps an epoch.
         assert [record["lr"] for record in progress] == [0.025] * 4 + [0.0125] * 4, progress
         assert {record["train_smoothing"] for record in progress} == {0.25}, progress
+        assert {record["train_collated_for_training"] for record in progress} == {1.0}, progress
+        assert [record["eval_collated_for_training"] for record in epochs] == [0.0, 0.0], epochs
 
 
 @long
@@ -2165,7 +2180,7 @@ class DictBatches(Noisy):  # It reads a whole batch as a dict of tensors, and it
 def build_datasets(args):
     train_set, eval_set = build_default(args)
     return DictBatches(train_set, noise=0.1), DictBatches(eval_set, noise=0.0)
-def collate_fn(batch):
+def collate_fn(batch, args, training):
     return batch
 def count_items(batch):
     return len(batch["targets"])
@@ -2213,24 +2228,13 @@ class Recurrent(nn.Module):
 ddp_train.build_model = lambda args: Recurrent()
 """,
     ),
-    # Mixup mixes the items of a training batch in collate_fn. The training items carry a mark.
+    # Mixup mixes the items of a training batch in collate_fn. The eval loader's batches stay.
     "mixup-collate": (
         (2, 3, 6),
         """
-class Marked(torch.utils.data.Dataset):
-    def __init__(self, dataset):
-        self.dataset = dataset
-    def __len__(self):
-        return len(self.dataset)
-    def __getitem__(self, i):
-        return (*self.dataset[i], True)
-def build_datasets(args):
-    train_set, eval_set = build_default(args)
-    return Marked(train_set), eval_set
-def collate_fn(items):
+def collate_fn(items, args, training):
     if isinstance(items, tuple):
-        return items
-    training = len(items[0]) == 3
+        items = list(zip(*items))
     inputs = torch.stack([item[0] for item in items])
     targets = F.one_hot(torch.stack([torch.as_tensor(item[1]) for item in items]), CLASSES).float()
     if training:
@@ -2241,8 +2245,7 @@ def collate_fn(items):
 def compute_loss(model, batch, args):  # The targets are probabilities.
     inputs, targets = batch
     return F.cross_entropy(model(inputs).float(), targets)
-ddp_train.build_datasets, ddp_train.collate_fn = build_datasets, collate_fn
-ddp_train.compute_loss = compute_loss
+ddp_train.collate_fn, ddp_train.compute_loss = collate_fn, compute_loss
 """,
     ),
     # A learnable temperature that starts at 1000 makes up most of the weights' norm. A step that

@@ -108,7 +108,7 @@ def build_datasets(args):
     return Functions(train), Functions(held_out) if held_out else None
 
 
-def collate_fn(items: list):
+def collate_fn(items: list, args, training: bool):
     """This pads the items to the longest one. The padding is IGNORE, so that it never counts as a
     target. In the inputs, it becomes 0. Any id would do, because the padding is on the right, and
     causal attention keeps it away from every real position."""
