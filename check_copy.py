@@ -1109,7 +1109,9 @@ def check_eval(c: CopyCheck) -> Verdict:
     evaluations = [json.loads(line) for line in c.lines("python", "records.jsonl")]
     one = [record for record in evaluations if "eval_loss" in record][-1]
     two = json.loads(c.lines("eval_2", "records.jsonl")[-1])
-    gaps = {name: relative(two[name], value) for name, value in one.items() if "eval_" in name}
+    # A copy's --eval-only may evaluate fewer models than its training, such as no EMA.
+    evaluated = [name for name in one if "eval_" in name and name in two]
+    gaps = {name: relative(two[name], one[name]) for name in evaluated}
     worst = max(gaps, key=gaps.get)
     items = list(range(one["eval_samples"]))
     once = [

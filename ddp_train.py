@@ -648,6 +648,14 @@ def evaluate(args, world, model, eval_loader, autocast, prefix="eval_"):
     return metrics
 
 
+def evaluate_models(args, world, model, averaged_models, eval_loader, autocast):
+    """Evaluate the model and each averaged model, and return their metrics as one record."""
+    metrics = evaluate(args, world, model, eval_loader, autocast)
+    for name, averaged in averaged_models.items():
+        metrics |= evaluate(args, world, averaged.module, eval_loader, autocast, f"eval_{name}_")
+    return metrics
+
+
 def progress_record(step, epoch, lr, grad_norm, progress, speed):
     """Return a progress record: the means since the last one, the lr, the norm and the speed."""
     record = {"kind": "progress", "step": step, "epoch": epoch + 1}
@@ -687,12 +695,8 @@ def evaluate_if_due(args, world, state, written):
     if kind == "epoch":
         record.update(epoch_metrics(world, state))
     if len(state.eval_loader.dataset) > 0:
-        record.update(evaluate(args, world, state.raw_model, state.eval_loader, state.autocast))
-        for name, averaged in state.averaged_models.items():
-            averaged_record = evaluate(
-                args, world, averaged.module, state.eval_loader, state.autocast, f"eval_{name}_"
-            )
-            record.update(averaged_record)
+        models = (state.raw_model, state.averaged_models)
+        record.update(evaluate_models(args, world, *models, state.eval_loader, state.autocast))
     write_record(args, world, record, plan.total_steps)
     if world.rank == 0:
         report(record, args, state.raw_model)
@@ -729,16 +733,20 @@ def evaluate_checkpoint(args, world):
     check(checkpoint, f"--eval-only: there is no checkpoint in {args.out_dir}: train first")
     _, eval_set, model = build_task(args, world)
     check(len(eval_set) > 0, "--eval-only: build_datasets gives no eval set")
-    try:
-        model.load_state_dict(checkpoint["parts"]["model"])
-    except RuntimeError as exc:
-        fail(f"{path} is of another model: {one_line(exc)}")
+    averaged_models = build_averaged_models(args, model)
+    for name, part in {"model": model, **averaged_models}.items():
+        check(name in checkpoint["parts"], f"--eval-only: {path} holds no {name}: train it first")
+        try:
+            part.load_state_dict(checkpoint["parts"][name])
+        except RuntimeError as exc:
+            fail(f"{path} is of another model: {one_line(exc)}")
     eval_loader = make_eval_loader(args, world, eval_set)
     start_workers(eval_loader)
     step = checkpoint["progress"]["step"]
     log(f"{PROG}: evaluating {path} (step {step}) on world size {world.world_size}, {world.device}")
     record = {"kind": "eval", "step": step}
-    record |= evaluate(args, world, model, eval_loader, make_autocast(args, world.device))
+    autocast = make_autocast(args, world.device)
+    record |= evaluate_models(args, world, model, averaged_models, eval_loader, autocast)
     write_record(args, world, record, step, to_file=False)
     if world.rank == 0:
         report(record, args, model)
