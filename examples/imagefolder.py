@@ -65,7 +65,8 @@ def read_image(path):
     if path.endswith(".pt"):
         return torch.load(path, weights_only=True)
     ddp_train.check(torchvision is not None, f"{path}: JPEG and PNG files need torchvision")
-    return torchvision.io.decode_image(path, mode=torchvision.io.ImageReadMode.RGB)
+    data = torchvision.io.read_file(path)
+    return torchvision.io.decode_image(data, mode=torchvision.io.ImageReadMode.RGB)
 
 
 def list_images(root):
