@@ -421,8 +421,7 @@ def train(args, world):
             progress.lr = lr
             state.epoch_seconds = time.perf_counter() - epoch_started
             speed.add(stop.step_items)  # The stop vote counted the step's items on all ranks.
-            # After the step come the loss all_reduce, the progress record, model.pt, the save,
-            # report(), the stop and the evaluation, in this order.
+            # The loss all_reduce, a record, model.pt, a save, report(), a stop and an eval follow.
             periodic_save = args.save_every > 0 and step % args.save_every == 0
             # A step that evaluates saves first, so that a stop during the evaluation loses no step.
             evaluates = record_due(args, state, step) is not None

@@ -13,9 +13,10 @@ downloaded, and every rank builds the same samples. It launches exactly like ddp
 Functions have different lengths. So the file brings a fourth task function, collate_fn, which
 pads a batch to its longest sample. Its count_items counts tokens, not samples, and its
 compute_loss returns the mean over those tokens. The logged loss is the mean over the real tokens,
-in nats per byte, whatever the padding, the batch size or the world size. Before training, it is ln 257 = 5.55. The sizes are module constants, and a test or a
-notebook can make them smaller before the run, for example with tinylm.TRAIN_SIZE = 48. The samples
-depend on the version of Python, so every node of a multi-node run needs the same version.
+in nats per byte, whatever the padding, the batch size or the world size. Before training, it is
+ln 257 = 5.55. The sizes are module constants, and a test or a notebook can make them smaller
+before the run, for example with tinylm.TRAIN_SIZE = 48. The samples depend on the version of
+Python, so every node of a multi-node run needs the same version.
 """
 
 import ast
