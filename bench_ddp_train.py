@@ -38,6 +38,7 @@ takes each ratio within a round.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -174,7 +175,7 @@ def tinylm_loop(opts):
         opts.batch_size,
         shuffle=not sampler,
         sampler=sampler,
-        collate_fn=tinylm.collate_fn,
+        collate_fn=functools.partial(tinylm.collate_fn, args=args, training=True),
     )
     for epoch in range(opts.epochs):
         if sampler:

@@ -24,6 +24,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import inspect
 import json
 import math
 import os
@@ -423,9 +424,9 @@ def train(args, world):
             speed.add(stop.step_items)  # The stop vote counted the step's items on all ranks.
             # The loss all_reduce, a record, model.pt, a save, report(), a stop and an eval follow.
             periodic_save = args.save_every > 0 and step % args.save_every == 0
-            # A step that evaluates saves first, so that a stop during the evaluation loses no step.
-            evaluates = record_due(args, state, step) is not None
-            save_now = periodic_save or evaluates or stop.should_stop
+            # A step with an epoch or eval record saves first, so a stop in its eval loses no step.
+            record_now = record_due(args, state, step) is not None
+            save_now = periodic_save or record_now or stop.should_stop
             if log_now or save_now:
                 sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
                 check_finite(sums["loss"], state.raw_model, step)
@@ -734,7 +735,8 @@ def evaluate_checkpoint(args, world):
     check(len(eval_set) > 0, "--eval-only: build_datasets gives no eval set")
     averaged_models = build_averaged_models(args, model)
     for name, part in {"model": model, **averaged_models}.items():
-        check(name in checkpoint["parts"], f"--eval-only: {path} holds no {name}: train it first")
+        trained_without = f"{path} was trained without {name}: pass the flags of its training"
+        check(name in checkpoint["parts"], f"--eval-only: {trained_without}")
         try:
             part.load_state_dict(checkpoint["parts"][name])
         except RuntimeError as exc:
@@ -1214,6 +1216,12 @@ def build_task(args, world):
             "needs a map-style Dataset (with __len__ and __getitem__), which gives every rank an "
             "exact share and lets a stopped run resume at the very sample it stopped at",
         )
+    parameters = list(inspect.signature(collate_fn).parameters)
+    check(
+        parameters[1:] == ["args", "training"],
+        f"collate_fn takes ({', '.join(parameters)}), and the loaders call it with the keywords "
+        "args and training: make it collate_fn(items, args, training)",
+    )
     seed_everything(args.seed)  # This gives the same initial weights on any world size.
     model = build_model(args).to(world.device)
     if args.sync_bn:

@@ -1109,8 +1109,18 @@ MISTAKES = {
     ),
     "metric named loss": ([], dict(VARIANT="reserved"), "['loss'] are the script's own names"),
     "an IterableDataset": ([], dict(VARIANT="iterable"), "needs a map-style Dataset (with __len__"),
+    "a collate_fn of the items alone": (
+        [],
+        dict(VARIANT="one-argument-collate"),
+        "collate_fn takes (items), and the loaders call it with the keywords args and training",
+    ),
     "older checkpoint": ([], {}, "is of another ddp_train.py (checkpoint format 1, this one"),
     "eval-only without a checkpoint": (["--eval-only"], {}, "--eval-only: there is no checkpoint"),
+    "eval-only of another run, which had no ema": (
+        ["--eval-only", "--eval-samples", 64],
+        dict(BASE="ema"),
+        "was trained without ema: pass the flags of its training",
+    ),
     "another model": (
         [],
         dict(VARIANT="wide"),
@@ -1517,7 +1527,7 @@ def test_the_cpu_slots_follow_the_cpus_that_the_process_may_use(tmp_path, kind):
 # This guards against regrowth. The budget counts every formatted line of the file, comments
 # included, and the lines of its longest function. No line may ask ruff to skip its formatting. The
 # line budget is the count of the file when it was set.
-BUDGET = {"lines": 1569, "function lines": 60}
+BUDGET = {"lines": 1577, "function lines": 60}
 
 
 def test_the_script_stays_within_its_budget():

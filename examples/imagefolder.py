@@ -1,30 +1,40 @@
 """imagefolder.py: a ResNet on a folder of images, one folder per class, on top of ddp_train.py.
 
-It follows torchvision's reference classification recipe. SGD with momentum takes a learning rate
-that scales with the global batch. The rate warms up over --warmup-epochs and then follows a
-cosine. The loss smooths its labels, mixup mixes the training batches, an EMA of the weights is
-evaluated and saved beside the model, and the model and the batches are channels_last. It
-launches exactly like ddp_train.py itself:
+It is modelled on torchvision's reference classification recipe. SGD with momentum takes a
+learning rate that scales with the global batch. The rate warms up over --warmup-epochs, in place
+of --warmup-steps, and then follows a cosine. The loss smooths its labels, mixup mixes the
+training batches, an EMA of the weights is evaluated and saved beside the model, and the model and
+the batches are channels_last. It differs from the recipe in a few places. Its augmentation is a
+random flip and a crop after a padding of 2 pixels, not RandomResizedCrop, so the images must have
+their final size. Its EMA decays by --ema-decay at every step, and the default of 0.95 suits the
+short runs here. A run of many thousand steps takes 0.9999 or so. It launches exactly like
+ddp_train.py itself:
 
     python imagefolder.py --data DIR          # This needs ddp_train.py beside it, or PYTHONPATH=..
     torchrun --nproc_per_node=8 imagefolder.py --data DIR --arch resnet50 --workers 8
     python imagefolder.py                     # This first makes a small folder of its own.
 
 DIR holds train/CLASS/FILE and val/CLASS/FILE, the layout of torchvision's ImageFolder. A file is
-a JPEG or a PNG, which needs torchvision, or a uint8 tensor of shape (3, H, W) that torch.save
-wrote. All the images of a folder have the same size, so resize them once before training. The
-default --data is out/imagefolder-data. If it is missing, the local rank 0 of each node makes a
-small folder of 16x16 tensors there, and the other ranks wait. Without torchvision, the file reads
-the layout itself, and --arch small, a ResNet in this file, is the only model.
+an 8-bit JPEG or PNG, which needs torchvision, or a uint8 tensor of shape (3, H, W) that torch.save
+wrote. All the images of train/ have one size, and so do all the images of val/, so resize them
+once before training. The default --data is out/imagefolder-data. If it is missing, each process
+makes a small folder of 16x16 tensors and moves it there, and the first one to arrive is kept.
+Without torchvision, the file reads the layout itself, and --arch small, a ResNet in this file, is
+the only model.
+
+With --workers 0, the augmentation and mixup draw from torch's generator of each rank, which the
+checkpoint saves. So a stopped run resumes bit for bit. With DataLoader workers, a stopped run
+resumes with the same samples in the same order, and with other draws. On GPUs,
+--cudnn-benchmark is faster, and a run with it is not bit for bit the same twice.
 """
 
 import math
 import os
 import shutil
 import sys
+import tempfile
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
@@ -52,7 +62,9 @@ def add_task_flags(parser):
     parser.add_argument("--label-smoothing", type=float, default=0.1, help="the labels' share")
     parser.add_argument("--mixup-alpha", type=float, default=0.2, help="Beta's alpha (0: off)")
     parser.add_argument("--ema-decay", type=float, default=0.95, help="per step (0: no EMA)")
-    # The rate is per 256 samples of the global batch, and SGD decays every matrix.
+    parser.add_argument("--cudnn-benchmark", action="store_true", help="faster, not bit-exact")
+    # The rate is per 256 samples of the global batch. SGD decays the weights of 2 or more
+    # dimensions, which are the kernels of the convolutions and the matrices of the linear layers.
     parser.set_defaults(lr=0.1, weight_decay=1e-4, batch_size=32)
 
 
@@ -62,21 +74,23 @@ def is_image(path):
 
 def read_image(path):
     """Return the image in the file as a uint8 tensor of shape (3, H, W)."""
-    if path.endswith(".pt"):
-        return torch.load(path, weights_only=True)
-    ddp_train.check(torchvision is not None, f"{path}: JPEG and PNG files need torchvision")
-    data = torchvision.io.read_file(path)
-    return torchvision.io.decode_image(data, mode=torchvision.io.ImageReadMode.RGB)
+    if path.lower().endswith(".pt"):
+        image = torch.load(path, weights_only=True)
+    else:
+        ddp_train.check(torchvision is not None, f"{path}: JPEG and PNG files need torchvision")
+        data = torchvision.io.read_file(path)
+        image = torchvision.io.decode_image(data, mode=torchvision.io.ImageReadMode.RGB)
+    ddp_train.check(image.dtype == torch.uint8, f"{path} is {image.dtype}, not 8 bits a channel")
+    return image
 
 
 def list_images(root):
     """Return [(path, class index)] and the class names of the folder. The classes are sorted by
     name, as torchvision's ImageFolder sorts them."""
-    ddp_train.check(os.path.isdir(root), f"--data has no folder {root}")
     if torchvision is not None:
         folder = torchvision.datasets.ImageFolder(root, loader=read_image, is_valid_file=is_image)
         return folder.samples, folder.classes
-    classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+    classes = class_names(root)
     samples = []
     for index, name in enumerate(classes):
         files = sorted(os.listdir(os.path.join(root, name)))
@@ -84,9 +98,15 @@ def list_images(root):
     return samples, classes
 
 
+def class_names(root):
+    """Return the names of the class folders, sorted as torchvision's ImageFolder sorts them."""
+    ddp_train.check(os.path.isdir(root), f"--data has no folder {root}")
+    return sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+
+
 class ImageFiles(Dataset):
     """The images of a folder, as normalised float tensors. A training image is flipped and cropped
-    at random. The draws come from torch, which ddp_train seeds and saves in each checkpoint."""
+    at random, with draws from torch's generator, which ddp_train seeds for each rank."""
 
     def __init__(self, root, augment):
         self.samples, self.classes = list_images(root)
@@ -110,10 +130,12 @@ class ImageFiles(Dataset):
 
 def make_synthetic_data(root, seed, classes=10, train_per_class=48, val_per_class=12):
     """Write a small folder of 16x16 images. Each class has a colour of its own, and each image
-    adds noise to it. A folder of another process may appear first, and then it is kept."""
+    adds noise to it. Each process writes a folder of its own and then moves it to root. The
+    folders are the same, and the first one to arrive is kept."""
     generator = torch.Generator().manual_seed(seed)
     colours = torch.rand(classes, 3, 1, 1, generator=generator)
-    staging = f"{root}.{os.getpid()}.tmp"
+    os.makedirs(os.path.dirname(root), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=os.path.basename(root) + ".", dir=os.path.dirname(root))
     for split, count in ("train", train_per_class), ("val", val_per_class):
         for c in range(classes):
             os.makedirs(f"{staging}/{split}/class{c}")
@@ -123,19 +145,17 @@ def make_synthetic_data(root, seed, classes=10, train_per_class=48, val_per_clas
                 torch.save(image, f"{staging}/{split}/class{c}/{n:04d}.pt")
     try:
         os.rename(staging, root)
-    except OSError:  # Another process made the folder first.
+    except OSError:
         shutil.rmtree(staging)
+        if not os.path.isdir(root):  # Only a folder that another process made may be there.
+            raise
 
 
 def build_datasets(args):
-    # The local rank 0 of each node makes the small folder once. local_rank is None outside a
-    # launch, such as in make check's own process, and that process makes it too.
-    first_on_node = args.local_rank in (None, 0)
-    if args.data == SYNTHETIC_DATA and first_on_node and not os.path.isdir(args.data):
-        os.makedirs(os.path.dirname(args.data), exist_ok=True)
+    # The small folder takes a second to make, so each process makes it where it is missing. For a
+    # download, the README's cached.py shows how the local rank 0 of each node makes it once.
+    if args.data == SYNTHETIC_DATA and not os.path.isdir(args.data):
         make_synthetic_data(args.data, seed=1234)
-    if dist.is_initialized():
-        dist.barrier()  # The other ranks of the node wait for the folder.
     train_set = ImageFiles(os.path.join(args.data, "train"), augment=True)
     eval_set = ImageFiles(os.path.join(args.data, "val"), augment=False)
     ddp_train.check(train_set.classes == eval_set.classes, "train/ and val/ have other classes")
@@ -163,7 +183,7 @@ class Block(nn.Module):
 
 
 def build_model(args):
-    classes = len(list_images(os.path.join(args.data, "train"))[1])
+    classes = len(class_names(os.path.join(args.data, "train")))
     if args.arch == "small":
         model = nn.Sequential(
             nn.Conv2d(3, 16, 3, padding=1, bias=False),
@@ -215,13 +235,15 @@ def compute_loss(model, batch, args):
 
 
 def configure_torch(args):
-    # cuDNN picks the fastest convolution for each shape, and the images all have the same shape.
-    torch.backends.cudnn.benchmark = True
+    # cuDNN times the convolutions of each shape and picks the fastest. The images all have the
+    # same shape, so this pays. The fastest may differ from run to run, and so may the results.
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
 
 
 def build_optimizer(args, model, plan):
     """SGD with momentum, at --lr per 256 samples of the global batch. A resume on another world
-    size keeps the global batch, and so the rate. Biases and BatchNorm's weights do not decay."""
+    size keeps the global batch, and so the rate. Biases and BatchNorm's weights do not decay, as
+    with the recipe's --norm-weight-decay 0."""
     params = list(model.parameters())
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
