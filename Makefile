@@ -92,7 +92,7 @@ lint: setup  ## It checks that every Python file is as ruff format --line-length
 # guarantee, and make test-long runs every other test, the two-host and SLURM tests among them. make
 # test-gpu and make test-torch run their own tiers.
 PYTEST = $(PY) -m pytest -q --durations=15 $$($(PY) -c "import xdist" 2>/dev/null && echo --numprocesses=2 --dist=worksteal) test_ddp_train.py
-test: setup  ## It runs one test of each guarantee, in about 10 minutes on 2 cores.
+test: setup  ## It runs one test of each guarantee, in about 5 minutes on 2 cores.
 	$(PYTEST) -m "not (long or multinode or slurm or gpu)"
 
 test-long: setup  ## It runs every other test, the two-host and SLURM tests among them.
