@@ -1109,11 +1109,14 @@ def check_eval(c: CopyCheck) -> Verdict:
     evaluations = [json.loads(line) for line in c.lines("python", "records.jsonl")]
     one = [record for record in evaluations if "eval_loss" in record][-1]
     two = json.loads(c.lines("eval_2", "records.jsonl")[-1])
-    # The --eval-only of an older copy evaluates no averaged model, such as an EMA. Its figures,
-    # eval_<name>_loss and the others of eval_<name>_, may be missing. Every other figure counts.
-    averaged = [name.removesuffix("loss") for name in one if re.fullmatch(r"eval_\w+_loss", name)]
-    evaluated = [name for name in one if "eval_" in name]
-    evaluated = [n for n in evaluated if n in two or not n.startswith(tuple(averaged))]
+    # The --eval-only of an older copy evaluates no averaged model, such as an EMA. So the figures
+    # of an averaged model, eval_<name>_loss and the others of eval_<name>_, may be left out of it.
+    # A figure of the model that is left out counts as a gap of inf.
+    averaged = tuple(
+        name.removesuffix("loss") for name in one if re.fullmatch(r"eval_\w+_loss", name)
+    )
+    left_out = [name for name in one if name.startswith(averaged) and name not in two]
+    evaluated = [name for name in one if "eval_" in name and name not in left_out]
     gaps = {name: relative(two.get(name, math.inf), one[name]) for name in evaluated}
     worst = max(gaps, key=gaps.get)
     items = list(range(one["eval_samples"]))

@@ -630,6 +630,7 @@ def calibrate_batch_norms(target, task, argv):
     if not norms:
         return {}
     batch_size = int(env["CHECK_GLOBAL_BATCH"])
+    collate_training = collate(target, args, True)
     for module in norms.values():
         module.reset_running_stats()
         module.momentum = None  # None gives a cumulative average over the batches.
@@ -639,7 +640,7 @@ def calibrate_batch_norms(target, task, argv):
         with torch.no_grad():
             for start in range(0, len(train_set), batch_size):
                 indices = list(range(start, min(start + batch_size, len(train_set))))
-                batch = collate(target, args, True)(read_items(train_set.dataset, indices))
+                batch = collate_training(read_items(train_set.dataset, indices))
                 call_task(task["compute_loss"], model, batch, args)
     finally:
         restore()

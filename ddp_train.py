@@ -695,8 +695,10 @@ def evaluate_if_due(args, world, state, written):
     if kind == "epoch":
         record.update(epoch_metrics(world, state))
     if len(state.eval_loader.dataset) > 0:
-        models = (state.raw_model, state.averaged_models)
-        record.update(evaluate_models(args, world, *models, state.eval_loader, state.autocast))
+        metrics = evaluate_models(
+            args, world, state.raw_model, state.averaged_models, state.eval_loader, state.autocast
+        )
+        record.update(metrics)
     write_record(args, world, record, plan.total_steps)
     if world.rank == 0:
         report(record, args, state.raw_model)
