@@ -1196,6 +1196,9 @@ def check_shares(c: CopyCheck) -> Verdict:
     return Verdict(8, "FAIL" if causes else "pass", "; ".join(figures), (causes or [""])[0])
 
 
+# The wrapper starts the line with this where the check cannot check a copy.
+WRAPPER_REFUSED = "make check: error: "
+
 CHECKS = {
     1: check_launch_modes, 2: check_equivalence, 3: check_mean, 4: check_same_data,
     5: check_resume, 6: check_eval, 7: check_model_file, 8: check_shares,
@@ -1218,6 +1221,9 @@ def check_copy(script, args: list[str], work: Path, only=()) -> list[Verdict]:
     while any(set(LAUNCHES[name].after) - names for name in names):
         names |= {before for name in names for before in LAUNCHES[name].after}
     c.run_launches(names)
+    # The wrapper says why the check cannot check this copy, as for a stream. Then every check is n/a.
+    said = [script_said(result) for result in c.results.values()]
+    refused = next((line.split(WRAPPER_REFUSED)[1] for line in said if WRAPPER_REFUSED in line), "")
     verdicts = []
     for n in numbers:
         problem = c.launch_problem(NEEDS[n])
@@ -1225,6 +1231,8 @@ def check_copy(script, args: list[str], work: Path, only=()) -> list[Verdict]:
             # Here --eval-only refuses to run, as it should.
             if n == 6 and c.eval_set_size() == 0:
                 verdict = Verdict(6, "n/a", "build_datasets gives no eval set")
+            elif refused:
+                verdict = Verdict(n, "n/a", refused)
             elif problem and n == 2 and "not finite" in problem:
                 cause = (
                     "check 2's own plain SGD diverged at the rate that it chose, and your --lr "

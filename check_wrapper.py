@@ -26,6 +26,9 @@ RECORDS = env.get("CHECK_RECORDS", ".")
 # Check 2's launches run the user's loop and loss with BatchNorm at fixed statistics, dropout off
 # and the Dataset's draws seeded per item, so that N x B and 1 x N*B must train the same weights.
 NEUTRAL = "CHECK_NEUTRAL" in env
+# The check cuts a map-style set into shares of its own, and a stream has no length to cut. So for
+# a stream, each check says n/a with this reason.
+STREAM = "the training set is a stream, and the check cuts only a map-style set into its own shares"
 # This is True while the wrapper writes its records, so that the audit leaves them out.
 own_write = False
 
@@ -344,6 +347,9 @@ def install(target):
     def build_datasets(args):
         train_set, eval_set = task["build_datasets"](args)
         built.update(train=train_set, eval=eval_set)
+        if not hasattr(train_set, "__len__"):
+            print(f"make check: error: {STREAM}", file=sys.stderr, flush=True)
+            raise SystemExit(3)
         if hasattr(train_set, "__len__"):
             train_set = Recorded(train_set, "train", int(env["CHECK_TRAIN_ITEMS"]))
         if eval_set is not None and hasattr(eval_set, "__len__"):

@@ -113,7 +113,7 @@ import ddp_train
 env = os.environ
 if env.get("BASE"):
     base = __import__(env["BASE"])
-    for name, value in [("TRAIN_SIZE", "LM_TRAIN"), ("EVAL_SIZE", "LM_EVAL"), ("DROPOUT", "LM_DROPOUT")]:
+    for name, value in [("TRAIN_SIZE", "LM_TRAIN"), ("EVAL_SIZE", "LM_EVAL"), ("DROPOUT", "LM_DROPOUT"), ("PASSES", "LM_PASSES")]:
         if value in env:
             setattr(base, name, type(getattr(base, name))(env[value]))
 variant, loss_of, calls = env.get("VARIANT", "").split(","), ddp_train.compute_loss, [0]
@@ -364,10 +364,12 @@ if "unused" in variant:
     ddp_train.build_model = lambda args: Sometimes(build_model(args))
 if "one-argument-collate" in variant:  # a collate_fn written before it took the flags
     ddp_train.collate_fn = lambda items: collate_default(items, None, True)
-if "iterable" in variant:  # an IterableDataset: no __len__
+if "iterable" in variant:  # an IterableDataset: no __len__, and with "stateful" a state_dict()
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
             return iter(range(10))
+    if "stateful" in variant:
+        Stream.state_dict, Stream.load_state_dict = (lambda self: {}), (lambda self, state: None)
     ddp_train.build_datasets = lambda args: (Stream(), None)
 if "namedtuple" in variant:  # batches as namedtuples
     ddp_train.collate_fn = lambda items, args, training: Batch(*collate_default(items, args, training))
@@ -421,7 +423,10 @@ def project(tmp_path_factory) -> Path:
     README's recipes, such as ema.py, and user.py. BASE=ema makes user.py run ema.py's task."""
     with shared(tmp_path_factory, "project") as d:
         if not (d / "done").exists():
-            for name in ("ddp_train.py", "examples/digits.py", "examples/tinylm.py"):
+            for name in (
+                "ddp_train.py",
+                *(f"examples/{n}.py" for n in ("digits", "tinylm", "stream")),
+            ):
                 shutil.copy(ROOT / name, d)
             for language, text, _ in readme_blocks():
                 recipe = re.match(r"# (\w+\.py): ", text)

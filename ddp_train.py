@@ -25,6 +25,7 @@ import datetime
 import functools
 import gc
 import inspect
+import itertools
 import json
 import math
 import os
@@ -311,6 +312,7 @@ class Plan:
     steps_per_epoch: int  # Each step is a full global batch, so an epoch drops its partial end.
     total_steps: int
     epochs: int  # This counts the epochs that the steps reach. --max-steps can end one in part.
+    stream: bool  # The training set is an IterableDataset, a stream. Section 8 says what changes.
 
 
 @dataclasses.dataclass
@@ -406,23 +408,23 @@ def train(args, world):
     speed = Throughput(progress.step, plan.total_steps)
     for epoch in range(progress.step // plan.steps_per_epoch, plan.epochs):
         last_step_of_epoch = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
-        state.sampler.set_epoch(epoch)  # Trap: Without it, every epoch repeats the first shuffle.
-        # A resumed epoch skips the steps that it has already trained, and it keeps its totals.
-        state.batch_sampler.skip_steps = progress.step - epoch * plan.steps_per_epoch
-        if state.batch_sampler.skip_steps == 0:  # A new epoch starts its totals.
+        if not plan.stream:  # A stream has no sampler, and its state_dict() holds its place.
+            state.sampler.set_epoch(epoch)  # Trap: Else every epoch repeats the first shuffle.
+            # A resumed epoch skips the steps that it has already trained, and it keeps its totals.
+            state.batch_sampler.skip_steps = progress.step - epoch * plan.steps_per_epoch
+        if progress.step == epoch * plan.steps_per_epoch:  # A new epoch starts its totals.
             progress.epoch_totals = Totals()
         epoch_started = time.perf_counter()
         micro_batches = iter(state.loader)  # Each step takes its --grad-accum batches from here.
         for step in range(progress.step + 1, last_step_of_epoch + 1):
             log_now = args.log_every > 0 and step % args.log_every == 0
-            batches = [next(micro_batches) for _ in range(plan.grad_accum)]
+            batches = list(itertools.islice(micro_batches, plan.grad_accum))  # A stream can end.
             epoch_ends = step % plan.steps_per_epoch == 0
             lr, grad_norm = train_step(args, world, state, batches, stop, log_now, epoch_ends)
             progress.step = step
             progress.lr = lr
             state.epoch_seconds = time.perf_counter() - epoch_started
             speed.add(stop.step_items)  # The stop vote counted the step's items on all ranks.
-            # The loss all_reduce, a record, model.pt, a save, report(), a stop and an eval follow.
             periodic_save = args.save_every > 0 and step % args.save_every == 0
             # A step with an epoch or eval record saves first, so a stop in its eval loses no step.
             record_now = record_due(args, state, step) is not None
@@ -459,7 +461,16 @@ def train_step(args, world, state, batches, stop, want_norm, epoch_ends):
     It returns the step's learning rate and its gradient norm. The norm is a tensor, and it is None
     unless the step clips or logs it. epoch_ends says whether the step is the last of its epoch."""
     counts = [count_items(batch) for batch in batches]  # They are counted on the CPU.
-    stop.start(sum(counts))  # DDP: The stop vote also adds up the ranks' counts of this step.
+    stream_ended = len(batches) < state.plan.grad_accum  # Only a stream ends inside an epoch.
+    stop.start(sum(counts), stream_ended)  # DDP: The vote also adds up the ranks' counts.
+    if state.plan.stream:
+        # DDP: A rank whose stream has ended has no batch for a forward. So all ranks learn it now.
+        stop.finish()
+        check(
+            not stop.stream_ended,
+            f"the training stream of a rank ended before step {state.progress.step + 1} of "
+            f"{state.plan.total_steps}: pass --max-steps {state.progress.step}, or let it repeat",
+        )
     for i, (batch, count) in enumerate(zip(batches, counts)):
         batch = to_device(batch, world.device)
         # DDP: no_sync skips the gradient all-reduce. Only the last micro-batch's backward runs it.
@@ -849,17 +860,20 @@ def save_weights(args, state):
 
 def log_header(args, world, state):
     """Rank 0 says what this run is, in three lines."""
-    plan, train_size = state.plan, len(state.sampler.dataset)
+    plan = state.plan
     backend = dist.get_backend() if world.world_size > 1 else "no process group"
-    left_out = train_size - plan.steps_per_epoch * plan.global_batch
+    epoch = f"{plan.steps_per_epoch} steps/epoch"
+    if not plan.stream:  # A stream's length is unknown.
+        train_size = len(state.sampler.dataset)
+        left_out = train_size - plan.steps_per_epoch * plan.global_batch
+        epoch += f" (each leaves out {left_out} of its {train_size:,} samples)"
     log(
         f"{PROG}: world size {world.world_size}, {backend}, {world.device}, "
         f"{torch.get_num_threads()} thread(s)/process,\n"
         f"torch {torch.__version__}; files in {args.out_dir}: "
         "checkpoint.pt, metrics.jsonl, model.pt\n"
         f"global batch {plan.global_batch} = {args.batch_size}/process x {world.world_size} x "
-        f"{plan.grad_accum} accum, {plan.steps_per_epoch} steps/epoch (each leaves out {left_out} "
-        f"of its {train_size:,} samples), {len(state.eval_loader.dataset):,} eval samples"
+        f"{plan.grad_accum} accum, {epoch}, {len(state.eval_loader.dataset):,} eval samples"
     )
 
 
@@ -877,10 +891,13 @@ FREE_AT_RESUME = ("out_dir", "eval_only", "spawn", "rank", "local_rank", "timeou
 def save_checkpoint(args, world, state):
     """All ranks gather their random states. Rank 0 writes the checkpoint and keeps the previous
     one. All ranks wait until it is written."""
-    rng_states = [rng_state()]
+    own_state = rng_state()
+    if state.plan.stream:  # Each rank's stream has a place of its own, which rides with its rng.
+        own_state["stream"] = state.loader.dataset.state_dict()
+    rng_states = [own_state]
     if world.world_size > 1:
         rng_states = [None] * world.world_size
-        dist.all_gather_object(rng_states, rng_state(), group=world.gloo_group)
+        dist.all_gather_object(rng_states, own_state, group=world.gloo_group)
     # Trap: On the CPU, the optimizer that a resume restored keeps tensors that read their values
     # from the checkpoint's file, because torch.load mapped it. This save renames that file, and
     # the next save deletes it. A deleted file keeps its disk space while a process maps it. So at
@@ -912,7 +929,7 @@ def save_checkpoint(args, world, state):
         dist.barrier(group=world.gloo_group)
 
 
-def restore_checkpoint(args, world, stateful_parts, path, checkpoint):
+def restore_checkpoint(args, world, stateful_parts, stream, path, checkpoint):
     """Load every stateful part from the checkpoint, and this rank's random generators. Return
     the run's progress.
 
@@ -928,8 +945,15 @@ def restore_checkpoint(args, world, stateful_parts, path, checkpoint):
             part.load_state_dict(saved_parts[name])
     except (RuntimeError, ValueError, KeyError) as exc:
         fail(f"{path} is of another model, optimizer or --amp: {one_line(exc)}. Use the saved ones")
-    if len(checkpoint["rng"]) == world.world_size:
+    saved_ranks = len(checkpoint["rng"])
+    if saved_ranks == world.world_size:
         set_rng_state(checkpoint["rng"][world.rank])
+    if stream:
+        check(
+            saved_ranks == world.world_size,
+            f"{path} holds the places of {saved_ranks} streams: resume on {saved_ranks} processes",
+        )
+        stream.load_state_dict(checkpoint["rng"][world.rank]["stream"])
     saved = checkpoint["progress"]
     progress = SavedProgress(
         step=saved["step"],
@@ -1079,12 +1103,13 @@ class StopVote:
     Preemption sends SIGTERM or SIGUSR1, and Ctrl-C sends SIGINT. Trap: The handler only notes the
     signal, because a collective inside a handler deadlocks. start() sends this rank's notes and
     count in an asynchronous all-reduce over gloo, and finish() waits for the sums. If any rank got
-    a signal, every rank stops after this step."""
+    a signal, every rank stops after this step. The vote also says whether a rank's stream ended."""
 
     def __init__(self, world):
         self.world = world
         self.signals = []  # These are the stop signals that this process got.
         self.should_stop = False
+        self.stream_ended = False  # This says whether any rank's stream ran out in this step.
         self.step_items = 0  # This counts the step's items over all ranks.
         self.count = 0  # This counts the step's items on this rank.
         self.votes = None
@@ -1096,10 +1121,12 @@ class StopVote:
     def on_signal(self, signum, frame):
         self.signals.append(signum)
 
-    def start(self, count):
+    def start(self, count, stream_ended=False):
         self.count = int(count)
+        self.stream_ended = stream_ended
         if self.world.world_size > 1:
-            self.votes = torch.tensor([len(self.signals), self.count], dtype=torch.int64)
+            votes = [len(self.signals), self.count, int(stream_ended)]
+            self.votes = torch.tensor(votes, dtype=torch.int64)
             self.reduction = dist.all_reduce(self.votes, group=self.world.gloo_group, async_op=True)
 
     def finish(self):
@@ -1107,10 +1134,13 @@ class StopVote:
             self.should_stop = len(self.signals) > 0
             self.step_items = self.count
             return
+        if self.reduction is None:  # A stream's step has finished its vote before its forward.
+            return
         self.reduction.wait()
         self.reduction = None  # The finished all-reduce holds the group, which must be freed.
-        signals, self.step_items = self.votes.tolist()
+        signals, self.step_items, ended_ranks = self.votes.tolist()
         self.should_stop = signals > 0
+        self.stream_ended = ended_ranks > 0
 
     def restore(self):
         for sig, handler in self.previous_handlers.items():
@@ -1134,7 +1164,8 @@ def setup_training(args, world):
     """All ranks build what training needs, in running order, and resume from a checkpoint."""
     train_set, eval_set, model = build_task(args, world)
     path, checkpoint = read_checkpoint(args.out_dir)
-    plan = make_plan(args, world, len(train_set), path, checkpoint)
+    stream = None if hasattr(train_set, "__len__") else train_set  # This is an IterableDataset.
+    plan = make_plan(args, world, len(train_set) if not stream else None, path, checkpoint)
     optimizers = build_optimizer(args, model, plan)
     if not isinstance(optimizers, (list, tuple)):
         optimizers = [optimizers]  # The task may return one optimizer or a list of them.
@@ -1146,15 +1177,9 @@ def setup_training(args, world):
     seed_everything(args.seed + 1 + world.rank)
     progress = SavedProgress()
     if checkpoint:
-        progress = restore_checkpoint(args, world, stateful_parts, path, checkpoint)
+        progress = restore_checkpoint(args, world, stateful_parts, stream, path, checkpoint)
     del checkpoint  # On GPUs, this frees the file's pages before the workers start.
-    # DDP: Each rank reads its own share of each epoch's shuffle. drop_last makes the shares equal.
-    sampler = DistributedSampler(
-        train_set, world.world_size, world.rank, seed=args.seed, drop_last=True
-    )
-    batch_sampler = ResumableBatchSampler(sampler, args.batch_size, plan)
-    options = loader_options(args, world, args.workers, training=True)
-    loader = DataLoader(train_set, batch_sampler=batch_sampler, **options)
+    sampler, batch_sampler, loader = make_train_loader(args, world, train_set, plan)
     eval_loader = make_eval_loader(args, world, eval_set)
     # Trap: The workers start now, once, before any collective. On Python before 3.12, a fork while
     # a gloo or NCCL thread frees a finished collective can deadlock the child (CPython #112275).
@@ -1213,11 +1238,17 @@ def build_task(args, world):
         eval_set = []
     for name, dataset in ("training", train_set), ("eval", eval_set):
         check(
-            hasattr(dataset, "__len__"),
+            hasattr(dataset, "__len__") or (name == "training" and hasattr(dataset, "__iter__")),
             f"the {name} set is a {type(dataset).__name__} without a length: DistributedSampler "
             "needs a map-style Dataset (with __len__ and __getitem__), which gives every rank an "
             "exact share and lets a stopped run resume at the very sample it stopped at",
         )
+    if not hasattr(train_set, "__len__"):  # Section 8 says how a stream trains and resumes.
+        check(
+            hasattr(train_set, "load_state_dict"),
+            "the training stream has no state_dict() and load_state_dict(): add them",
+        )
+        check(args.workers == 0, "a stream keeps its place in the workers: pass --workers 0")
     parameters = list(inspect.signature(collate_fn).parameters)
     check(
         parameters[1:] == ["args", "training"],
@@ -1254,7 +1285,13 @@ def make_plan(args, world, train_size, path, checkpoint):
             f"--batch-size {args.batch_size} x a whole accumulation: pass a --batch-size that "
             f"divides {per_process}{hint}"
         )
-    steps_per_epoch = train_size // global_batch
+    if train_size is None:  # A stream has no length. Its one epoch is --max-steps steps.
+        check(
+            args.max_steps > 0, "the training set is a stream of unknown length: pass --max-steps"
+        )
+        steps_per_epoch = args.max_steps
+    else:
+        steps_per_epoch = train_size // global_batch
     check(
         steps_per_epoch > 0,
         f"the {train_size} training samples do not fill one global batch of {global_batch}: "
@@ -1262,7 +1299,7 @@ def make_plan(args, world, train_size, path, checkpoint):
     )
     total_steps = args.max_steps or args.epochs * steps_per_epoch
     epochs = math.ceil(total_steps / steps_per_epoch)
-    return Plan(global_batch, grad_accum, steps_per_epoch, total_steps, epochs)
+    return Plan(global_batch, grad_accum, steps_per_epoch, total_steps, epochs, train_size is None)
 
 
 def check_same_start(world, step):
@@ -1289,6 +1326,28 @@ def loader_options(args, world, workers, training):
         # global generator, which is the same on every rank, and the ranks augment alike.
         generator=torch.Generator().manual_seed(args.seed + 1 + world.rank),
     )
+
+
+def make_train_loader(args, world, train_set, plan):
+    """Return the training DataLoader, its sampler and its batch sampler.
+
+    A stream, an IterableDataset, has neither. It gives each rank its own items, and it may ask
+    torch.distributed for the rank. It has no length, so its run is one epoch of --max-steps steps.
+    The ranks vote before each forward, and all stop with one line when a rank's stream runs out.
+    Each checkpoint holds every rank's stream.state_dict(), so a resume needs the same world size.
+    It needs --workers 0 too, because workers hold copies of the stream that it cannot read."""
+    options = loader_options(args, world, args.workers, training=True)
+    if plan.stream:
+        # The stream gives this rank its own items. drop_last keeps every batch whole, so a step
+        # with fewer batches means that the stream has ended.
+        return None, None, DataLoader(train_set, args.batch_size, drop_last=True, **options)
+    # DDP: Each rank reads its own share of each epoch's shuffle. drop_last makes the shares equal.
+    sampler = DistributedSampler(
+        train_set, world.world_size, world.rank, seed=args.seed, drop_last=True
+    )
+    batch_sampler = ResumableBatchSampler(sampler, args.batch_size, plan)
+    loader = DataLoader(train_set, batch_sampler=batch_sampler, **options)
+    return sampler, batch_sampler, loader
 
 
 def make_eval_loader(args, world, eval_set):
