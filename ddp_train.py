@@ -98,8 +98,9 @@ def configure_torch(args):
 def build_datasets(args):
     """Return (train_set, eval_set). Both are map-style Datasets, which have a __len__, and every
     rank builds the same ones. The eval_set may be None or empty, and then nothing is evaluated.
-    args.rank and args.local_rank say where this process is. So the local rank 0 of each node can
-    download the data, while the other ranks wait at a dist.barrier()."""
+    The train_set may be a stream instead, as make_train_loader() says and examples/stream.py
+    shows. args.rank and args.local_rank say where this process is. So the local rank 0 of each
+    node can download the data, while the other ranks wait at a dist.barrier()."""
     check(args.num_samples >= 0, f"--num-samples is {args.num_samples}: it is at least 0")
     check(args.eval_samples >= 0, f"--eval-samples is {args.eval_samples}: it is at least 0")
     generator = torch.Generator().manual_seed(args.seed)
@@ -366,8 +367,8 @@ class TrainState:
     schedulers: list
     scaler: torch.amp.GradScaler  # It scales fp16's loss, and it is disabled otherwise.
     autocast: object  # This is --amp's autocast, or a context that does nothing.
-    sampler: DistributedSampler
-    batch_sampler: "ResumableBatchSampler"
+    sampler: DistributedSampler  # A stream has no sampler, and this is None.
+    batch_sampler: "ResumableBatchSampler"  # A stream has none either.
     loader: DataLoader
     eval_loader: DataLoader
     # These are this rank's sums of the loss and the metrics since the last loss all_reduce. They
@@ -1335,7 +1336,7 @@ def make_train_loader(args, world, train_set, plan):
     torch.distributed for the rank. It has no length, so its run is one epoch of --max-steps steps.
     The ranks vote before each forward, and all stop with one line when a rank's stream runs out.
     Each checkpoint holds every rank's stream.state_dict(), so a resume needs the same world size.
-    It needs --workers 0 too, because workers hold copies of the stream that it cannot read."""
+    A stream needs --workers 0, because each worker would hold a copy that no checkpoint can read."""
     options = loader_options(args, world, args.workers, training=True)
     if plan.stream:
         # The stream gives this rank its own items. drop_last keeps every batch whole, so a step
