@@ -347,7 +347,7 @@ def install(target):
     def build_datasets(args):
         train_set, eval_set = task["build_datasets"](args)
         built.update(train=train_set, eval=eval_set)
-        if not hasattr(train_set, "__len__"):
+        if isinstance(train_set, torch.utils.data.IterableDataset):
             print(f"make check: error: {STREAM}", file=sys.stderr, flush=True)
             raise SystemExit(3)
         if hasattr(train_set, "__len__"):

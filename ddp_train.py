@@ -467,10 +467,12 @@ def train_step(args, world, state, batches, stop, want_norm, epoch_ends):
     if state.plan.stream:
         # DDP: A rank whose stream has ended has no batch for a forward. So all ranks learn it now.
         stop.finish()
+        trained = state.progress.step
+        advice = f"pass --max-steps {trained}" if trained else "give each rank a whole step"
         check(
             not stop.stream_ended,
-            f"the training stream of a rank ended before step {state.progress.step + 1} of "
-            f"{state.plan.total_steps}: pass --max-steps {state.progress.step}, or let it repeat",
+            f"the training stream of a rank ended before step {trained + 1} of "
+            f"{state.plan.total_steps}: {advice}, or let the stream repeat",
         )
     for i, (batch, count) in enumerate(zip(batches, counts)):
         batch = to_device(batch, world.device)
@@ -899,6 +901,15 @@ def save_checkpoint(args, world, state):
     if world.world_size > 1:
         rng_states = [None] * world.world_size
         dist.all_gather_object(rng_states, own_state, group=world.gloo_group)
+    if state.plan.stream:  # Every rank checks every stream's state, so all ranks agree.
+        # Trap: A value that a weights_only torch.load cannot read, such as numpy's int64, would
+        # make the checkpoint unreadable. JSON's plain values are safe.
+        streams = [rank_state["stream"] for rank_state in rng_states]
+        check(
+            json.loads(json.dumps(streams, default=repr)) == streams,
+            "the stream's state_dict() holds values other than ints, floats, strings, lists and "
+            "dicts with string keys: make them plain, so that a checkpoint can hold them",
+        )
     # Trap: On the CPU, the optimizer that a resume restored keeps tensors that read their values
     # from the checkpoint's file, because torch.load mapped it. This save renames that file, and
     # the next save deletes it. A deleted file keeps its disk space while a process maps it. So at
@@ -950,6 +961,7 @@ def restore_checkpoint(args, world, stateful_parts, stream, path, checkpoint):
     if saved_ranks == world.world_size:
         set_rng_state(checkpoint["rng"][world.rank])
     if stream:
+        check("stream" in checkpoint["rng"][0], f"{path} has no stream: pass another --out-dir")
         check(
             saved_ranks == world.world_size,
             f"{path} holds the places of {saved_ranks} streams: resume on {saved_ranks} processes",
@@ -1165,8 +1177,8 @@ def setup_training(args, world):
     """All ranks build what training needs, in running order, and resume from a checkpoint."""
     train_set, eval_set, model = build_task(args, world)
     path, checkpoint = read_checkpoint(args.out_dir)
-    stream = None if hasattr(train_set, "__len__") else train_set  # This is an IterableDataset.
-    plan = make_plan(args, world, len(train_set) if not stream else None, path, checkpoint)
+    stream = train_set if isinstance(train_set, torch.utils.data.IterableDataset) else None
+    plan = make_plan(args, world, None if stream else len(train_set), path, checkpoint)
     optimizers = build_optimizer(args, model, plan)
     if not isinstance(optimizers, (list, tuple)):
         optimizers = [optimizers]  # The task may return one optimizer or a list of them.
@@ -1237,19 +1249,23 @@ def build_task(args, world):
     train_set, eval_set = build_datasets(args)
     if eval_set is None:
         eval_set = []
+    stream = isinstance(train_set, torch.utils.data.IterableDataset)
     for name, dataset in ("training", train_set), ("eval", eval_set):
         check(
-            hasattr(dataset, "__len__") or (name == "training" and hasattr(dataset, "__iter__")),
+            hasattr(dataset, "__len__") or (name == "training" and stream),
             f"the {name} set is a {type(dataset).__name__} without a length: DistributedSampler "
             "needs a map-style Dataset (with __len__ and __getitem__), which gives every rank an "
             "exact share and lets a stopped run resume at the very sample it stopped at",
         )
-    if not hasattr(train_set, "__len__"):  # Section 8 says how a stream trains and resumes.
+    if stream:  # make_train_loader() says how a stream trains and resumes.
         check(
-            hasattr(train_set, "load_state_dict"),
+            hasattr(train_set, "state_dict") and hasattr(train_set, "load_state_dict"),
             "the training stream has no state_dict() and load_state_dict(): add them",
         )
-        check(args.workers == 0, "a stream keeps its place in the workers: pass --workers 0")
+        check(
+            args.workers == 0 or args.eval_only,
+            "a stream keeps its place in the workers: pass --workers 0",
+        )
     parameters = list(inspect.signature(collate_fn).parameters)
     check(
         parameters[1:] == ["args", "training"],

@@ -5,8 +5,8 @@ into windows of CONTEXT + 1 tokens, and each window starts where the last one en
 byte is a target once in each pass. The training set is an IterableDataset, a stream, as webdataset
 and HF datasets give. Rank r of W reads the windows r, r + W, r + 2W and so on. So a step of W
 ranks reads the same windows as a step of one process with W times the batch, and both log the
-same loss. When a rank reaches the end, its stream starts again from its first window, so the
-run's one epoch is --max-steps steps. PASSES = 1 makes the stream end after one pass instead.
+same loss. The windows wrap around at the end of the stream, counted over all ranks, so the
+stream never ends, and the run's one epoch is --max-steps steps. PASSES = 1 makes it end instead.
 
 The stream's state_dict() holds how many windows this rank has read. Each checkpoint keeps it, so
 a stopped run resumes at the next window, bit for bit. The eval set is map-style: the EVAL_SIZE
