@@ -379,9 +379,19 @@ def run(cmd, tmp_path: Path, out="out", expect=0, env=None, cwd=None, timeout=TI
     result = launch.result(tmp_path / out)
     assert expect is None or result.returncode == expect, result
     # This rejects the classic gloo abort at exit. That abort happens when a process group is torn
-    # down under a live DDP model.
-    assert "terminate called" not in result.stderr, result
+    # down under a live DDP model. torchrun's own abort after a signal is torch's, not the script's.
+    aborts = result.stderr.count("terminate called") - launcher_aborted(result)
+    assert aborts == 0, result
     return result
+
+
+def launcher_aborted(result) -> bool:
+    """Return whether torchrun's own process aborted at its exit after a signal. After a signal,
+    torch's launch_agent() skips the rendezvous shutdown (launcher/api.py), so the rendezvous
+    keep-alive thread still runs when the interpreter exits. That daemon thread can be cut off
+    inside C++, and then torchrun aborts with "terminate called". Its workers have exited by then.
+    It happened once in the project's CI runs so far, on a loaded machine, with torch 2.13."""
+    return result.returncode == -signal.SIGABRT and "SignalException" in result.stderr
 
 
 def python_cmd(*args, script=SCRIPT):
