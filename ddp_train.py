@@ -410,7 +410,7 @@ def train(args, world):
     for epoch in range(progress.step // plan.steps_per_epoch, plan.epochs):
         last_step_of_epoch = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
         if not plan.stream:  # A stream has no sampler, and its state_dict() holds its place.
-            state.sampler.set_epoch(epoch)  # Trap: Else every epoch repeats the first shuffle.
+            state.sampler.set_epoch(epoch)  # Trap: Each epoch needs it for a shuffle of its own.
             # A resumed epoch skips the steps that it has already trained, and it keeps its totals.
             state.batch_sampler.skip_steps = progress.step - epoch * plan.steps_per_epoch
         if progress.step == epoch * plan.steps_per_epoch:  # A new epoch starts its totals.
