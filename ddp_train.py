@@ -83,7 +83,9 @@ CLASSES = 10
 
 
 class InMemory(TensorDataset):
-    """The default task's tensors. It reads a whole batch with one gather, not with a loop."""
+    """The default task's tensors. Where a Dataset has __getitems__, the DataLoader calls it with
+    all the indices of a batch. So this reads a whole batch with one gather, not with a loop, and it
+    gives the batch as a tuple of tensors."""
 
     def __getitems__(self, indices):
         rows = torch.tensor(indices)
@@ -126,7 +128,9 @@ def collate_fn(items, args, training):
     as in examples/tinylm.py. InMemory gives a whole batch as a tuple of tensors, which stays.
     The args hold the flags. training is False in the eval loader, so that a batch augmentation,
     such as mixup, stays in training."""
-    return items if isinstance(items, tuple) else default_collate(items)
+    if isinstance(items, tuple):  # InMemory gave the whole batch already.
+        return items
+    return default_collate(items)
 
 
 def count_items(batch):
@@ -142,9 +146,10 @@ def compute_loss(model, batch, args):
 
     The loss is the MEAN over the batch's count_items(batch) items, as F.cross_entropy returns it.
     The metrics are a dict {name: mean over the same items}, and they are logged as train_<name>
-    and eval_<name>. The batch is already on the device. In training, model is the DDP model, which
-    is compiled with --compile, and its forward must run so that DDP sees it. In evaluation, model
-    is the raw module in eval mode. The args hold the flags, such as a flag of add_task_flags()."""
+    and eval_<name>. The names loss, samples and tokens are the script's own. The batch is already
+    on the device. In training, model is the DDP model, which is compiled with --compile, and its
+    forward must run so that DDP sees it. In evaluation, model is the raw module in eval mode. The
+    args hold the flags, such as a flag of add_task_flags()."""
     inputs, targets = batch
     logits = model(inputs).float()
     loss = F.cross_entropy(logits, targets)
@@ -223,7 +228,7 @@ class World:
     local_rank: int  # The rank on this node picks its GPU.
     world_size: int
     device: torch.device
-    # Small CPU messages, such as the stop vote, go over this gloo group. On GPUs it is a group
+    # Small CPU messages, such as the step vote, go over this gloo group. On GPUs it is a group
     # beside the NCCL group, because NCCL moves only GPU tensors, in the GPU's queue of work. On
     # CPUs it is the process group itself. One process has no group.
     gloo_group: object = None
@@ -276,7 +281,9 @@ def pick_device(local_rank):
     if local_rank < gpus:
         index = local_rank
     elif gpus == 1 and "LOCAL_WORLD_SIZE" not in os.environ:
-        index = 0  # With srun --gpus-per-task=1, each task sees only its own GPU.
+        # With srun --gpus-per-task=1, each task sees only its own GPU, as cuda:0. torchrun sets
+        # LOCAL_WORLD_SIZE, and there too few GPUs are a mistake.
+        index = 0
     else:
         processes = os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)
         fail(
@@ -360,7 +367,7 @@ class TrainState:
     progress: SavedProgress
     raw_model: nn.Module  # We save and evaluate the raw module, and report() gets it.
     ddp_model: nn.Module  # DDP's wrapper gives no_sync(). A single process has the raw module here.
-    forward_model: nn.Module  # compute_loss calls this. It is the DDP model or its compiled form.
+    train_model: nn.Module  # compute_loss calls this. It is the DDP model or its compiled form.
     stateful_parts: dict  # A checkpoint saves and restores each of these by its name.
     averaged_models: dict  # These follow the model's weights, as build_averaged_models() says.
     optimizers: list
@@ -371,9 +378,9 @@ class TrainState:
     batch_sampler: "ResumableBatchSampler"  # A stream has none either.
     loader: DataLoader
     eval_loader: DataLoader
-    # These are this rank's sums of the loss and the metrics since the last loss all_reduce. They
-    # stay tensors on the device, so that no step waits for the GPU. pending_count counts the items
-    # of those steps on all ranks, because the stop vote gives each step's count over all ranks.
+    # These hold this rank's sums of the loss and the metrics, and its count of items, since the
+    # last loss all_reduce. The sums stay tensors on the device, so that no step waits for the GPU.
+    # The loss all_reduce adds up the sums and the counts of all ranks.
     pending_sums: dict = dataclasses.field(default_factory=dict)
     pending_count: int = 0
     epoch_seconds: float = 0.0  # This is the time of the epoch's steps, up to the last one trained.
@@ -386,7 +393,9 @@ def main(argv=None):
         return spawn(args.spawn, argv)  # This waits until all the processes have exited.
     world = init_distributed(args.timeout)
     try:
-        return evaluate_checkpoint(args, world) if args.eval_only else train(args, world)
+        if args.eval_only:
+            return evaluate_checkpoint(args, world)
+        return train(args, world)
     except BaseException as exc:
         free_frames(exc)  # Trap: section 11 says why.
         raise
@@ -398,14 +407,13 @@ def train(args, world):
     """Train, and return the exit code. All ranks run every line, and only rank 0 writes."""
     state = setup_training(args, world)
     plan, progress = state.plan, state.progress
-    # A resume first removes the records that the checkpoint's step did not reach. A stop or a crash
-    # after a save can leave that step's evaluation undone, and it runs now.
-    written = truncate_metrics_after(args, world, progress.step)
-    evaluate_if_due(args, world, state, written)
+    # A resume drops the records past its step, and it runs its step's evaluation if it is missing.
+    records_in_file = truncate_metrics_after(args, world, progress.step)
+    evaluate_if_due(args, world, state, records_in_file)
     if progress.step >= plan.total_steps:
-        return finish_completed_run(args, world, state)
+        return rewrite_finished_run(args, world, state)
     log_header(args, world, state)
-    stop = StopVote(world)
+    vote = StepVote(world)
     speed = Throughput(progress.step, plan.total_steps)
     for epoch in range(progress.step // plan.steps_per_epoch, plan.epochs):
         last_step_of_epoch = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
@@ -419,17 +427,20 @@ def train(args, world):
         micro_batches = iter(state.loader)  # Each step takes its --grad-accum batches from here.
         for step in range(progress.step + 1, last_step_of_epoch + 1):
             log_now = args.log_every > 0 and step % args.log_every == 0
-            batches = list(itertools.islice(micro_batches, plan.grad_accum))  # A stream can end.
+            # The step takes its --grad-accum batches. A stream that has ended gives fewer.
+            batches = list(itertools.islice(micro_batches, plan.grad_accum))
             epoch_ends = step % plan.steps_per_epoch == 0
-            lr, grad_norm = train_step(args, world, state, batches, stop, log_now, epoch_ends)
+            lr, grad_norm = train_step(args, world, state, batches, vote, log_now, epoch_ends)
             progress.step = step
             progress.lr = lr
             state.epoch_seconds = time.perf_counter() - epoch_started
-            speed.add(stop.step_items)  # The stop vote counted the step's items on all ranks.
+            speed.add(vote.step_items)  # The vote counted the step's items on all ranks.
             periodic_save = args.save_every > 0 and step % args.save_every == 0
-            # A step with an epoch or eval record saves first, so a stop in its eval loses no step.
-            record_now = record_due(args, state, step) is not None
-            save_now = periodic_save or record_now or stop.should_stop
+            # After the step come the loss all_reduce, the progress record, model.pt, the save,
+            # report(), the stop and the evaluation, in this order. A step that evaluates saves
+            # first, so a stop during its evaluation loses no step.
+            record_kind = due_record_kind(args, state, step)
+            save_now = periodic_save or record_kind is not None or vote.should_stop
             if log_now or save_now:
                 sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
                 check_finite(sums["loss"], state.raw_model, step)
@@ -439,41 +450,34 @@ def train(args, world):
                 write_record(args, world, record, plan.total_steps)
                 progress.totals_since_log = Totals()
             if step == plan.total_steps and world.rank == 0:
-                save_weights(args, state)  # This comes before the final checkpoint ends the run.
+                # model.pt comes first, because a rerun takes a final checkpoint as a finished run.
+                save_weights(args, state)
             if save_now:
                 save_checkpoint(args, world, state)
             if record and world.rank == 0:
                 report(record, args, state.raw_model)
-            if stop.should_stop and step < plan.total_steps:
-                stop.restore()
+            if vote.should_stop and step < plan.total_steps:
+                vote.restore()
                 log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
                 return EXIT_STOPPED
-            evaluate_if_due(args, world, state, written={})
-    stop.restore()
-    log(f"saved {args.out_dir}/model.pt after {progress.step} steps")
-    if world.rank == 0:
-        report({"kind": "end", "step": progress.step}, args, state.raw_model)
-    return 0
+            evaluate_if_due(args, world, state, records_in_file={})
+    vote.restore()
+    return end_run(args, world, state)
 
 
-def train_step(args, world, state, batches, stop, want_norm, epoch_ends):
+def train_step(args, world, state, batches, vote, needs_grad_norm, epoch_ends):
     """All ranks take one optimizer step over this rank's micro-batches of the step.
 
     It returns the step's learning rate and its gradient norm. The norm is a tensor, and it is None
     unless the step clips or logs it. epoch_ends says whether the step is the last of its epoch."""
     counts = [count_items(batch) for batch in batches]  # They are counted on the CPU.
     stream_ended = len(batches) < state.plan.grad_accum  # Only a stream ends inside an epoch.
-    stop.start(sum(counts), stream_ended)  # DDP: The vote also adds up the ranks' counts.
+    vote.start(sum(counts), stream_ended)  # DDP: The vote also adds up the ranks' counts.
     if state.plan.stream:
-        # DDP: A rank whose stream has ended has no batch for a forward. So all ranks learn it now.
-        stop.finish()
-        trained = state.progress.step
-        advice = f"pass --max-steps {trained}" if trained else "give each rank a whole step"
-        check(
-            not stop.stream_ended,
-            f"the training stream of a rank ended before step {trained + 1} of "
-            f"{state.plan.total_steps}: {advice}, or let the stream repeat",
-        )
+        # DDP: A rank whose stream has ended has no batch for a forward. So for a stream, all ranks
+        # finish the vote now, before the forward, and the finish() below does nothing.
+        vote.finish()
+        check_no_stream_ended(vote, state.progress.step, state.plan.total_steps)
     for i, (batch, count) in enumerate(zip(batches, counts)):
         batch = to_device(batch, world.device)
         # DDP: no_sync skips the gradient all-reduce. Only the last micro-batch's backward runs it.
@@ -483,26 +487,30 @@ def train_step(args, world, state, batches, stop, want_norm, epoch_ends):
             gradient_sync = contextlib.nullcontext()
         with gradient_sync:
             with state.autocast:
-                output = compute_loss(state.forward_model, batch, args)
+                output = compute_loss(state.train_model, batch, args)
             loss, metrics = check_loss_output(output, count)
             add_means(state.pending_sums, {"loss": loss, **metrics}, count)
+            state.pending_count += count
             if i == 0:  # The vote ran beside the first forward, and now its count is needed.
-                stop.finish()
-                check_step_items(stop.step_items, state.plan)
-                state.pending_count += stop.step_items
+                vote.finish()
+                check_step_items(vote.step_items, state.plan)
             # DDP: DDP averages the gradients over the ranks. So each mean is multiplied by its
             # count over the step's count, times the world size. Then the gradient is the exact
-            # mean over all the items of the step. fp16's scaler scales a mean, never a sum.
-            weight = count * world.world_size / max(1, stop.step_items)
+            # mean over all the items of the step. When every batch holds the same count, the
+            # weight is 1 / grad_accum, as in nanoGPT's loss / gradient_accumulation_steps. fp16's
+            # scaler scales a mean, never a sum.
+            step_items = max(1, vote.step_items)  # A step of 0 tokens gets weight 0, not 0 / 0.
+            weight = count * world.world_size / step_items
             state.scaler.scale(loss * weight).backward()
     grad_norm = None
-    if args.clip_grad_norm or want_norm:
+    if args.clip_grad_norm or needs_grad_norm:
         for optimizer in state.optimizers:
             # Trap: Clip and log the true gradients, not the gradients that fp16 scaled up.
             state.scaler.unscale_(optimizer)
-        max_norm = math.inf  # A limit of inf only measures the norm.
         if args.clip_grad_norm:
             max_norm = args.clip_grad_norm
+        else:
+            max_norm = math.inf  # An infinite limit clips nothing, and the call only measures.
         grad_norm = nn.utils.clip_grad_norm_(state.raw_model.parameters(), max_norm)
     lr = state.optimizers[0].param_groups[0]["lr"]
     for optimizer, scheduler in zip(state.optimizers, state.schedulers):
@@ -514,6 +522,19 @@ def train_step(args, world, state, batches, stop, want_norm, epoch_ends):
     for averaged in state.averaged_models.values():
         averaged.update_parameters(state.raw_model)
     return lr, grad_norm
+
+
+def check_no_stream_ended(vote, trained_steps, total_steps):
+    """Stop every rank with one line if the stream of any rank has ended before this step."""
+    if trained_steps > 0:
+        advice = f"pass --max-steps {trained_steps}"
+    else:
+        advice = "give each rank a whole step"
+    check(
+        not vote.stream_ended,
+        f"the training stream of a rank ended before step {trained_steps + 1} of {total_steps}: "
+        f"{advice}, or let the stream repeat",
+    )
 
 
 def steps_now(scheduler, epoch_ends):
@@ -528,7 +549,7 @@ def steps_now(scheduler, epoch_ends):
 
 # ====== 4. Exact means ============================================================================
 # The gradient and the logged figures are exact means over all the items of a step. Each rank
-# counts its items on the CPU before the forward, and the stop vote adds up the counts of all ranks.
+# counts its items on the CPU before the forward, and the step vote adds up the counts of all ranks.
 # Each micro-batch's mean is then multiplied by its count over the step's count. The test
 # test_n_processes_x_b_with_accumulation_equal_one_process_x_n_times_b proves it.
 
@@ -582,18 +603,22 @@ def check_step_items(step_items, plan):
 
 
 def all_reduce_losses(world, state):
-    """All ranks add up their sums since the last call, and add them to the totals of the epoch and
-    of the next progress record. Return the sums of all ranks, as floats. This is the tutorials'
-    loss all_reduce. It is the one place where training reads the device, and only the steps that
-    log, evaluate or save reach it. It adds with SUM, because gloo does not support AVG on every
-    torch version."""
+    """All ranks add up their sums and counts since the last call, and add them to the totals of
+    the epoch and of the next progress record. Return the sums of all ranks, as floats. This is the
+    tutorials' loss all_reduce. It is the one place where training reads the device, and only the
+    steps that log, evaluate or save reach it. It adds with SUM, because gloo does not support AVG
+    on every torch version."""
     names = list(state.pending_sums)
-    values = torch.stack([state.pending_sums[name].to(world.device) for name in names])
+    values = [state.pending_sums[name].to(world.device) for name in names]
+    # The count rides in the same tensor. A float64 holds every count below 2**53 exactly.
+    values.append(torch.tensor(state.pending_count, dtype=torch.float64, device=world.device))
+    values = torch.stack(values)
     if world.world_size > 1:
-        dist.all_reduce(values)  # DDP: Add up every rank's sums.
-    sums = dict(zip(names, values.tolist()))
-    state.progress.epoch_totals.add(sums, state.pending_count)
-    state.progress.totals_since_log.add(sums, state.pending_count)
+        dist.all_reduce(values)  # DDP: Add up every rank's sums and counts.
+    *sum_values, count = values.tolist()
+    sums = dict(zip(names, sum_values))
+    state.progress.epoch_totals.add(sums, int(count))
+    state.progress.totals_since_log.add(sums, int(count))
     state.pending_sums = {}
     state.pending_count = 0
     return sums
@@ -680,7 +705,7 @@ def progress_record(step, epoch, lr, grad_norm, progress, speed):
     return record
 
 
-def record_due(args, state, step):
+def due_record_kind(args, state, step):
     """Return the kind of record that is due after this step: "epoch" after the last step of an
     epoch or of the run, "eval" after an --eval-every step of a run with an eval set, or None."""
     plan = state.plan
@@ -692,18 +717,21 @@ def record_due(args, state, step):
     return None
 
 
-def evaluate_if_due(args, world, state, written):
-    """If the last step is due for a record, as record_due() says, all ranks evaluate, and rank 0
-    writes the epoch or eval record and gives it to report(). An epoch record evaluates too, so no
-    eval record comes beside it. The records in written, {kind: record}, are in metrics.jsonl
-    already, and they are not made again. A ReduceLROnPlateau steps with the record's eval loss."""
+def evaluate_if_due(args, world, state, records_in_file):
+    """If the last step is due for a record, as due_record_kind() says, all ranks evaluate, and
+    rank 0 writes the epoch or eval record and gives it to report(). An epoch record evaluates too,
+    so no eval record comes beside it. The records in records_in_file, {kind: record}, are in
+    metrics.jsonl already, and they are not made again. A ReduceLROnPlateau steps with the record's
+    eval loss."""
     plan = state.plan
     step = state.progress.step
-    kind = record_due(args, state, step)
+    kind = due_record_kind(args, state, step)
     if step == 0 or kind is None:
         return
-    if kind in written:  # The checkpoint was saved before this evaluation, and before its plateau.
-        step_plateaus(state, written[kind])
+    if kind in records_in_file:
+        # A step saves before it evaluates, so the checkpoint predates this record. The resumed
+        # plateau schedule has not yet stepped with the record's eval loss, and it steps now.
+        step_plateaus(state, records_in_file[kind])
         return
     record = {"kind": kind, "step": step, "epoch": math.ceil(step / plan.steps_per_epoch)}
     if kind == "epoch":
@@ -731,7 +759,8 @@ def epoch_metrics(world, state):
     totals = state.progress.epoch_totals
     plan = state.plan
     step = state.progress.step
-    steps = (step - 1) % plan.steps_per_epoch + 1  # This counts the epoch's steps up to this one.
+    epoch = math.ceil(step / plan.steps_per_epoch)
+    steps = step - (epoch - 1) * plan.steps_per_epoch  # These are the epoch's steps up to this one.
     metrics = totals.means("train_")
     metrics["train_samples"] = steps * plan.global_batch
     if COUNT_UNIT != "samples":
@@ -817,7 +846,7 @@ def truncate_metrics_after(args, world, step):
     the step, as {kind: record}, on every rank, so that the run writes only the ones that it
     lacks."""
     path = f"{args.out_dir}/metrics.jsonl"
-    written = {}
+    records_in_file = {}
     kept_lines = []
     if world.rank == 0 and os.path.exists(path):
         with open(path) as f:
@@ -828,18 +857,26 @@ def truncate_metrics_after(args, world, step):
                         # A line that a crash cut just after its record is whole but has no newline.
                         kept_lines.append(line.rstrip("\n") + "\n")
                     if record["step"] == step:
-                        written[record["kind"]] = record
+                        records_in_file[record["kind"]] = record
         with open(f"{path}.tmp", "w") as f:
             f.writelines(kept_lines)
         os.replace(f"{path}.tmp", path)
     if world.world_size > 1:  # All ranks need the records, because they all evaluate.
-        shared = [written]
+        shared = [records_in_file]
         dist.broadcast_object_list(shared, src=0, group=world.gloo_group)
-        written = shared[0]
-    return written
+        records_in_file = shared[0]
+    return records_in_file
 
 
-def finish_completed_run(args, world, state):
+def end_run(args, world, state):
+    """All ranks end a run that has trained its last step. Rank 0 gives report() a last record."""
+    log(f"saved {args.out_dir}/model.pt after {state.progress.step} steps")
+    if world.rank == 0:
+        report({"kind": "end", "step": state.progress.step}, args, state.raw_model)
+    return 0
+
+
+def rewrite_finished_run(args, world, state):
     """A rerun of a finished run writes model.pt again from the final checkpoint. Then model.pt
     always holds the weights of the run that the checkpoint finished, even if the same out-dir had
     an earlier run of fewer steps."""
@@ -905,30 +942,35 @@ def save_checkpoint(args, world, state):
         # Trap: A value that a weights_only torch.load cannot read, such as numpy's int64, would
         # make the checkpoint unreadable. JSON's plain values are safe.
         streams = [rank_state["stream"] for rank_state in rng_states]
+        # A JSON round trip gives back an equal value only when the value is plain.
+        round_trip = json.loads(json.dumps(streams, default=repr))
         check(
-            json.loads(json.dumps(streams, default=repr)) == streams,
+            round_trip == streams,
             "the stream's state_dict() holds values other than ints, floats, strings, lists and "
             "dicts with string keys: make them plain, so that a checkpoint can hold them",
         )
     # Trap: On the CPU, the optimizer that a resume restored keeps tensors that read their values
     # from the checkpoint's file, because torch.load mapped it. This save renames that file, and
     # the next save deletes it. A deleted file keeps its disk space while a process maps it. So at
-    # its first save, each rank copies those tensors into its own memory. They are the only tensors
-    # whose storage cannot be resized, and that is how we find them.
+    # its first save, each rank copies those tensors into its own memory. A storage that torch.load
+    # mapped from the file cannot be resized, because the file fixes its size. The optimizer's own
+    # tensors can be resized. That is how we find the mapped ones.
     for optimizer in state.optimizers:
         for values in optimizer.state.values():
             for key, value in values.items():
                 if torch.is_tensor(value) and not value.untyped_storage().resizable():
                     values[key] = value.clone()
     if world.rank == 0:
+        # Plain values let a weights_only torch.load read the progress and the flags back.
+        plain_args = {}
+        for name, value in vars(args).items():
+            if type(value) not in (int, float, str, bool, type(None)):
+                value = str(value)
+            plain_args[name] = value
         checkpoint = {
             "format": CHECKPOINT_FORMAT,
-            # Plain values let a weights_only torch.load read the progress and the flags back.
             "progress": dataclasses.asdict(state.progress),
-            "args": {
-                name: value if type(value) in (int, float, str, bool, type(None)) else str(value)
-                for name, value in vars(args).items()
-            },
+            "args": plain_args,
             "rng": rng_states,
             "global_batch": state.plan.global_batch,
             "world_size": world.world_size,
@@ -941,7 +983,7 @@ def save_checkpoint(args, world, state):
         dist.barrier(group=world.gloo_group)
 
 
-def restore_checkpoint(args, world, stateful_parts, stream, path, checkpoint):
+def restore_checkpoint(args, world, stateful_parts, path, checkpoint):
     """Load every stateful part from the checkpoint, and this rank's random generators. Return
     the run's progress.
 
@@ -960,13 +1002,6 @@ def restore_checkpoint(args, world, stateful_parts, stream, path, checkpoint):
     saved_ranks = len(checkpoint["rng"])
     if saved_ranks == world.world_size:
         set_rng_state(checkpoint["rng"][world.rank])
-    if stream:
-        check("stream" in checkpoint["rng"][0], f"{path} has no stream: pass another --out-dir")
-        check(
-            saved_ranks == world.world_size,
-            f"{path} holds the places of {saved_ranks} streams: resume on {saved_ranks} processes",
-        )
-        stream.load_state_dict(checkpoint["rng"][world.rank]["stream"])
     saved = checkpoint["progress"]
     progress = SavedProgress(
         step=saved["step"],
@@ -989,6 +1024,18 @@ def restore_checkpoint(args, world, stateful_parts, stream, path, checkpoint):
             "this command's, and a new --epochs or --max-steps reshapes the schedule from here"
         )
     return progress
+
+
+def restore_stream(world, stream, path, checkpoint):
+    """Load this rank's place in its stream. The checkpoint holds each rank's place beside its
+    random states, so a stream resumes on the same world size only."""
+    saved_ranks = len(checkpoint["rng"])
+    check("stream" in checkpoint["rng"][0], f"{path} has no stream: pass another --out-dir")
+    check(
+        saved_ranks == world.world_size,
+        f"{path} holds the places of {saved_ranks} streams: resume on {saved_ranks} processes",
+    )
+    stream.load_state_dict(checkpoint["rng"][world.rank]["stream"])
 
 
 def read_checkpoint(out_dir):
@@ -1061,7 +1108,8 @@ class ResumableBatchSampler:
     before."""
 
     def __init__(self, sampler, batch_size, plan):
-        self.sampler, self.batch_size = sampler, batch_size
+        self.sampler = sampler
+        self.batch_size = batch_size
         self.per_step = plan.grad_accum * batch_size  # This counts this rank's samples in a step.
         self.steps_per_epoch = plan.steps_per_epoch
         self.skip_steps = 0  # A resumed epoch leaves out the steps that it has trained.
@@ -1089,8 +1137,10 @@ def rng_state():
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     if numpy:
-        kind, keys, *rest = numpy.random.get_state()
-        state["numpy"] = [kind, keys.tolist(), *rest]
+        # numpy's state holds an array of keys, which becomes a list of ints here.
+        numpy_state = list(numpy.random.get_state())
+        numpy_state[1] = numpy_state[1].tolist()
+        state["numpy"] = numpy_state
     return state
 
 
@@ -1108,7 +1158,7 @@ def set_rng_state(state):
 # test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_ends_bit_identical proves it.
 
 
-class StopVote:
+class StepVote:
     """At every step, all ranks vote whether to stop. The vote is an all-reduce that runs at every
     step anyway, so it also adds up the ranks' counts of the step's items, as step_items. Then the
     count needs no collective of its own.
@@ -1124,7 +1174,7 @@ class StopVote:
         self.should_stop = False
         self.stream_ended = False  # This says whether any rank's stream ran out in this step.
         self.step_items = 0  # This counts the step's items over all ranks.
-        self.count = 0  # This counts the step's items on this rank.
+        self.rank_items = 0  # This counts the step's items on this rank.
         self.votes = None
         self.reduction = None
         self.previous_handlers = {}
@@ -1134,23 +1184,24 @@ class StopVote:
     def on_signal(self, signum, frame):
         self.signals.append(signum)
 
-    def start(self, count, stream_ended=False):
-        self.count = int(count)
+    def start(self, rank_items, stream_ended=False):
+        self.rank_items = int(rank_items)
         self.stream_ended = stream_ended
         if self.world.world_size > 1:
-            votes = [len(self.signals), self.count, int(stream_ended)]
+            votes = [len(self.signals), self.rank_items, int(stream_ended)]
             self.votes = torch.tensor(votes, dtype=torch.int64)
             self.reduction = dist.all_reduce(self.votes, group=self.world.gloo_group, async_op=True)
 
     def finish(self):
         if self.world.world_size == 1:  # One process reads its notes as late as it can.
             self.should_stop = len(self.signals) > 0
-            self.step_items = self.count
+            self.step_items = self.rank_items
             return
-        if self.reduction is None:  # A stream's step has finished its vote before its forward.
+        if self.reduction is None:  # A stream's step finished its vote already, before its forward.
             return
         self.reduction.wait()
         self.reduction = None  # The finished all-reduce holds the group, which must be freed.
+        # These are the sums over all ranks of the three votes that start() sent.
         signals, self.step_items, ended_ranks = self.votes.tolist()
         self.should_stop = signals > 0
         self.stream_ended = ended_ranks > 0
@@ -1177,8 +1228,7 @@ def setup_training(args, world):
     """All ranks build what training needs, in running order, and resume from a checkpoint."""
     train_set, eval_set, model = build_task(args, world)
     path, checkpoint = read_checkpoint(args.out_dir)
-    stream = train_set if isinstance(train_set, torch.utils.data.IterableDataset) else None
-    plan = make_plan(args, world, None if stream else len(train_set), path, checkpoint)
+    plan = make_plan(args, world, train_set, path, checkpoint)
     optimizers = build_optimizer(args, model, plan)
     if not isinstance(optimizers, (list, tuple)):
         optimizers = [optimizers]  # The task may return one optimizer or a list of them.
@@ -1190,7 +1240,9 @@ def setup_training(args, world):
     seed_everything(args.seed + 1 + world.rank)
     progress = SavedProgress()
     if checkpoint:
-        progress = restore_checkpoint(args, world, stateful_parts, stream, path, checkpoint)
+        progress = restore_checkpoint(args, world, stateful_parts, path, checkpoint)
+    if checkpoint and plan.stream:
+        restore_stream(world, train_set, path, checkpoint)
     del checkpoint  # On GPUs, this frees the file's pages before the workers start.
     sampler, batch_sampler, loader = make_train_loader(args, world, train_set, plan)
     eval_loader = make_eval_loader(args, world, eval_set)
@@ -1209,6 +1261,9 @@ def setup_training(args, world):
         ddp_model = DDP(
             model, find_unused_parameters=args.find_unused_parameters, gradient_as_bucket_view=True
         )
+    train_model = ddp_model  # compute_loss calls this model in training.
+    if args.compile:
+        train_model = torch.compile(ddp_model)
     if world.rank == 0:  # Rank 0 writes only now, after every check, so a mistake writes nothing.
         os.makedirs(args.out_dir, exist_ok=True)
     return TrainState(
@@ -1216,7 +1271,7 @@ def setup_training(args, world):
         progress=progress,
         raw_model=model,
         ddp_model=ddp_model,
-        forward_model=torch.compile(ddp_model) if args.compile else ddp_model,
+        train_model=train_model,
         stateful_parts=stateful_parts,
         averaged_models=averaged_models,
         optimizers=optimizers,
@@ -1234,10 +1289,12 @@ def name_parts(model, scaler, optimizers, schedulers, averaged_models):
     """Return {name: part} of every part that a checkpoint saves and restores."""
     parts = {"model": model, "scaler": scaler}
     for i, (optimizer, scheduler) in enumerate(zip(optimizers, schedulers)):
-        parts |= {f"optimizer{i}": optimizer, f"scheduler{i}": scheduler}
+        parts[f"optimizer{i}"] = optimizer
+        parts[f"scheduler{i}"] = scheduler
     taken = sorted(parts.keys() & averaged_models.keys())
     check(not taken, f"build_averaged_models names {taken}, which the checkpoint uses: rename them")
-    return parts | averaged_models
+    parts.update(averaged_models)
+    return parts
 
 
 def build_task(args, world):
@@ -1280,7 +1337,7 @@ def build_task(args, world):
     return train_set, eval_set, model
 
 
-def make_plan(args, world, train_size, path, checkpoint):
+def make_plan(args, world, train_set, path, checkpoint):
     # DDP: A step's global batch is --batch-size times the world size times the accumulation. A run
     # that resumes on another world size keeps its global batch and changes its accumulation.
     # nanoGPT does the same when it divides its accumulation by the world size.
@@ -1293,8 +1350,9 @@ def make_plan(args, world, train_size, path, checkpoint):
                 "or another --out-dir"
             )
         global_batch = checkpoint["global_batch"]  # A new world keeps it, so grad_accum changes.
-    grad_accum, rest = divmod(global_batch, args.batch_size * world.world_size)
-    if not grad_accum or rest:
+    batch_of_all_ranks = args.batch_size * world.world_size
+    grad_accum = global_batch // batch_of_all_ranks
+    if grad_accum == 0 or global_batch % batch_of_all_ranks != 0:
         per_process = global_batch // world.world_size
         hint = "" if global_batch % world.world_size == 0 else ", on a world size that divides it"
         fail(
@@ -1302,21 +1360,22 @@ def make_plan(args, world, train_size, path, checkpoint):
             f"--batch-size {args.batch_size} x a whole accumulation: pass a --batch-size that "
             f"divides {per_process}{hint}"
         )
-    if train_size is None:  # A stream has no length. Its one epoch is --max-steps steps.
+    stream = isinstance(train_set, torch.utils.data.IterableDataset)
+    if stream:  # A stream has no length. Its one epoch is --max-steps steps.
         check(
             args.max_steps > 0, "the training set is a stream of unknown length: pass --max-steps"
         )
         steps_per_epoch = args.max_steps
     else:
-        steps_per_epoch = train_size // global_batch
-    check(
-        steps_per_epoch > 0,
-        f"the {train_size} training samples do not fill one global batch of {global_batch}: "
-        "lower --batch-size or --grad-accum",
-    )
+        steps_per_epoch = len(train_set) // global_batch
+        check(
+            steps_per_epoch > 0,
+            f"the {len(train_set)} training samples do not fill one global batch of "
+            f"{global_batch}: lower --batch-size or --grad-accum",
+        )
     total_steps = args.max_steps or args.epochs * steps_per_epoch
     epochs = math.ceil(total_steps / steps_per_epoch)
-    return Plan(global_batch, grad_accum, steps_per_epoch, total_steps, epochs, train_size is None)
+    return Plan(global_batch, grad_accum, steps_per_epoch, total_steps, epochs, stream)
 
 
 def check_same_start(world, step):
@@ -1484,7 +1543,9 @@ def round_store(timeout):
         try:
             socket.create_connection((host, port), timeout=10).close()
             return dist.TCPStore(host, port, timeout=timeout)
-        except ConnectionRefusedError:  # This port is an old round's, whose rank 0 has exited.
+        except ConnectionRefusedError:
+            # Only an old round's port refuses, because its rank 0 has exited. Any other error is a
+            # real fault, and it stops the run.
             time.sleep(0.1)
     raise TimeoutError(f"rank 0 of this round served no store within {timeout}")
 
@@ -1504,9 +1565,10 @@ def torchrun_variables_from_slurm(env):
     # row, one for each of its first 11 job steps, so two jobs on one node get two ports. A requeue
     # moves the port by 2221, about half the range, so the requeued job does not wait for its old
     # port. The numbers have no other meaning, and run_multi_node.sh uses the same formula.
-    ids = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT")
-    job, step, requeues = (int(env.get(name, 0)) for name in ids)
-    port = 61000 + (job * 11 + step + 2221 * requeues) % 4500
+    job = int(env.get("SLURM_JOB_ID", 0))
+    job_step = int(env.get("SLURM_STEP_ID", 0))
+    requeues = int(env.get("SLURM_RESTART_COUNT", 0))
+    port = 61000 + (job * 11 + job_step + 2221 * requeues) % 4500
     variables["MASTER_PORT"] = env.get("MASTER_PORT") or str(port)
     return variables
 
@@ -1539,11 +1601,24 @@ def parse_args(argv=None):
     add_script_flags(parser)
     add_task_flags(parser)
     args = parser.parse_args(argv)
-    least_values = {"epochs": 1, "batch_size": 1, "grad_accum": 1, "max_steps": 0, "lr": 0}
-    least_values |= {"warmup_steps": 0, "weight_decay": 0, "clip_grad_norm": 0, "seed": 0}
-    least_values |= {"log_every": 0, "eval_every": 0, "save_every": 0, "workers": 0}
-    least_values |= {"eval_workers": 0}
-    least_values |= {"timeout": 0, "spawn": 0}
+    least_values = {
+        "epochs": 1,
+        "batch_size": 1,
+        "grad_accum": 1,
+        "max_steps": 0,
+        "lr": 0,
+        "warmup_steps": 0,
+        "weight_decay": 0,
+        "clip_grad_norm": 0,
+        "seed": 0,
+        "log_every": 0,
+        "eval_every": 0,
+        "save_every": 0,
+        "workers": 0,
+        "eval_workers": 0,
+        "timeout": 0,
+        "spawn": 0,
+    }
     for name, least in least_values.items():
         value = getattr(args, name)
         check(value >= least, f"--{name.replace('_', '-')} is {value}: it is at least {least}")
@@ -1588,6 +1663,8 @@ def add_script_flags(parser):
 
 
 def log(*args, **kwargs):
+    """Print on rank 0 only. It reads the rank from the environment, where every launcher puts it,
+    because it also prints before the process group exists."""
     if os.environ.get("RANK", "0") != "0":  # DDP: Only rank 0 prints.
         return
     try:
@@ -1610,6 +1687,7 @@ def fail(message, code=2, every_rank=False):
 
 
 def one_line(exc):
+    """Return an exception's message on one line of at most 300 characters."""
     return " ".join(str(exc).split())[:300]
 
 
