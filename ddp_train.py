@@ -307,8 +307,8 @@ def cleanup_distributed(world):
 
 
 # ====== 3. The loop: read this section first ======================================================
-# main(), train() and train_step() are the tutorials' loop, in torch's own names. The state that the
-# loop keeps comes before them.
+# main(), train() and train_step() are the tutorials' loop, in torch's own names. after_step() says
+# what follows each step, and in which order. The state that the loop keeps comes before them.
 
 
 @dataclasses.dataclass
@@ -406,7 +406,8 @@ def main(argv=None):
 def train(args, world):
     """Train, and return the exit code. All ranks run every line, and only rank 0 writes."""
     state = setup_training(args, world)
-    plan, progress = state.plan, state.progress
+    plan = state.plan
+    progress = state.progress
     # A resume drops the records past its step, and it runs its step's evaluation if it is missing.
     records_in_file = truncate_metrics_after(args, world, progress.step)
     evaluate_if_due(args, world, state, records_in_file)
@@ -435,37 +436,56 @@ def train(args, world):
             progress.lr = lr
             state.epoch_seconds = time.perf_counter() - epoch_started
             speed.add(vote.step_items)  # The vote counted the step's items on all ranks.
-            periodic_save = args.save_every > 0 and step % args.save_every == 0
-            # After the step come the loss all_reduce, the progress record, model.pt, the save,
-            # report(), the stop and the evaluation, in this order. A step that evaluates saves
-            # first, so a stop during its evaluation loses no step.
-            record_kind = due_record_kind(args, state, step)
-            save_now = periodic_save or record_kind is not None or vote.should_stop
-            if log_now or save_now:
-                sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
-                check_finite(sums["loss"], state.raw_model, step)
-            record = None
-            if log_now:
-                record = progress_record(step, epoch, lr, grad_norm, progress, speed)
-                write_record(args, world, record, plan.total_steps)
-                progress.totals_since_log = Totals()
-            if step == plan.total_steps and world.rank == 0:
-                # model.pt comes first, because a rerun takes a final checkpoint as a finished run.
-                save_weights(args, state)
-            if save_now:
-                save_checkpoint(args, world, state)
-            if record and world.rank == 0:
-                report(record, args, state.raw_model)
-            if vote.should_stop and step < plan.total_steps:
+            stops = after_step(args, world, state, vote, speed, grad_norm)
+            if stops:
                 vote.restore()
                 log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
                 return EXIT_STOPPED
-            evaluate_if_due(args, world, state, records_in_file={})
     vote.restore()
     return end_run(args, world, state)
 
 
-def train_step(args, world, state, batches, vote, needs_grad_norm, epoch_ends):
+def after_step(args, world, state, vote, speed, grad_norm):
+    """All ranks do what follows a step, in this order. Return whether the run stops now.
+
+    1. All ranks add up their losses, where a record or a save needs them. A checkpoint holds the
+       totals of the losses, so a save needs them too.
+    2. Rank 0 writes the progress record.
+    3. At the last step, rank 0 writes model.pt. It comes before the final checkpoint, because a
+       rerun takes a run with a final checkpoint as finished, and it trains no more.
+    4. All ranks save the checkpoint. A step with an epoch or eval record saves before its
+       evaluation, so a stop or a kill during the evaluation loses no step.
+    5. Rank 0 gives the progress record to report(), after the save that holds its step.
+    6. A stop signal ends the run here. The rerun runs the evaluation that the stop skipped.
+    7. All ranks evaluate, and rank 0 writes the epoch or eval record."""
+    plan = state.plan
+    progress = state.progress
+    step = progress.step
+    log_now = args.log_every > 0 and step % args.log_every == 0
+    periodic_save = args.save_every > 0 and step % args.save_every == 0
+    evaluates = due_record_kind(args, state, step) is not None
+    save_now = periodic_save or evaluates or vote.should_stop
+    if log_now or save_now:
+        sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
+        check_finite(sums["loss"], state.raw_model, step)
+    record = None
+    if log_now:
+        record = progress_record(plan, progress, grad_norm, speed)
+        write_record(args, world, record, plan.total_steps)
+        progress.totals_since_log = Totals()
+    if step == plan.total_steps and world.rank == 0:
+        save_weights(args, state)
+    if save_now:
+        save_checkpoint(args, world, state)
+    if record and world.rank == 0:
+        report(record, args, state.raw_model)
+    if vote.should_stop and step < plan.total_steps:
+        return True
+    evaluate_if_due(args, world, state)
+    return False
+
+
+def train_step(args, world, state, batches, vote, measure_grad_norm, epoch_ends):
     """All ranks take one optimizer step over this rank's micro-batches of the step.
 
     It returns the step's learning rate and its gradient norm. The norm is a tensor, and it is None
@@ -503,7 +523,7 @@ def train_step(args, world, state, batches, vote, needs_grad_norm, epoch_ends):
             weight = count * world.world_size / step_items
             state.scaler.scale(loss * weight).backward()
     grad_norm = None
-    if args.clip_grad_norm or needs_grad_norm:
+    if args.clip_grad_norm or measure_grad_norm:
         for optimizer in state.optimizers:
             # Trap: Clip and log the true gradients, not the gradients that fp16 scaled up.
             state.scaler.unscale_(optimizer)
@@ -695,11 +715,12 @@ def evaluate_models(args, world, model, averaged_models, eval_loader, autocast):
     return metrics
 
 
-def progress_record(step, epoch, lr, grad_norm, progress, speed):
+def progress_record(plan, progress, grad_norm, speed):
     """Return a progress record: the means since the last one, the lr, the norm and the speed."""
-    record = {"kind": "progress", "step": step, "epoch": epoch + 1}
+    step = progress.step
+    record = {"kind": "progress", "step": step, "epoch": math.ceil(step / plan.steps_per_epoch)}
     record.update(progress.totals_since_log.means("train_"))
-    record["lr"] = lr
+    record["lr"] = progress.lr
     record["grad_norm"] = grad_norm.item()
     record.update(speed.metrics(step))  # This also starts the next window of the speed.
     return record
@@ -717,18 +738,18 @@ def due_record_kind(args, state, step):
     return None
 
 
-def evaluate_if_due(args, world, state, records_in_file):
+def evaluate_if_due(args, world, state, records_in_file=None):
     """If the last step is due for a record, as due_record_kind() says, all ranks evaluate, and
     rank 0 writes the epoch or eval record and gives it to report(). An epoch record evaluates too,
-    so no eval record comes beside it. The records in records_in_file, {kind: record}, are in
-    metrics.jsonl already, and they are not made again. A ReduceLROnPlateau steps with the record's
-    eval loss."""
+    so no eval record comes beside it. A ReduceLROnPlateau steps with the record's eval loss. A
+    resume passes records_in_file, the records {kind: record} that metrics.jsonl holds at its step,
+    and they are not made again."""
     plan = state.plan
     step = state.progress.step
     kind = due_record_kind(args, state, step)
     if step == 0 or kind is None:
         return
-    if kind in records_in_file:
+    if records_in_file and kind in records_in_file:
         # A step saves before it evaluates, so the checkpoint predates this record. The resumed
         # plateau schedule has not yet stepped with the record's eval loss, and it steps now.
         step_plateaus(state, records_in_file[kind])
@@ -1237,7 +1258,7 @@ def setup_training(args, world):
     averaged_models = build_averaged_models(args, model)
     stateful_parts = name_parts(model, scaler, optimizers, schedulers, averaged_models)
     # DDP: Each rank gets a random stream of its own, so that dropout differs between the ranks.
-    seed_everything(args.seed + 1 + world.rank)
+    seed_everything(args.seed + 1 + world.rank)  # The 1 sets it apart from the weights' seed.
     progress = SavedProgress()
     if checkpoint:
         progress = restore_checkpoint(args, world, stateful_parts, path, checkpoint)
@@ -1258,6 +1279,7 @@ def setup_training(args, world):
     ddp_model = model
     if world.world_size > 1:
         # DDP: The wrap broadcasts rank 0's weights. Then it averages the gradients in buckets.
+        # gradient_as_bucket_view lets the gradients live in those buckets, which saves a copy.
         ddp_model = DDP(
             model, find_unused_parameters=args.find_unused_parameters, gradient_as_bucket_view=True
         )
