@@ -2102,7 +2102,7 @@ ddp_train.build_model = lambda args: Annealed(model_default(args))
     "no-loss-all-reduce": (
         {3: "all_reduce left out"},
         (
-            "        dist.all_reduce(values)  # DDP: Add up every rank's sums.",
+            "        dist.all_reduce(values)  # DDP: Add up every rank's sums and counts.",
             "        pass  # (no all_reduce)",
             "tinylm.py",
         ),
@@ -2162,8 +2162,8 @@ ddp_train.build_averaged_models = lambda args, model: {"ema": RankZeroEMA(model)
     "partial-step-kept": (
         {8: "the torchrun launch exited 1"},
         (
-            "    steps_per_epoch = train_size // global_batch",
-            "    steps_per_epoch = -(-train_size // global_batch)  # (the partial step kept)",
+            "        steps_per_epoch = len(train_set) // global_batch",
+            "        steps_per_epoch = -(-len(train_set) // global_batch)  # (the partial step kept)",
         ),
     ),
     "every-rank-writes": (
