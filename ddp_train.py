@@ -419,7 +419,7 @@ def train(args, world):
     for epoch in range(progress.step // plan.steps_per_epoch, plan.epochs):
         last_step_of_epoch = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
         if not plan.stream:  # A stream has no sampler, and its state_dict() holds its place.
-            state.sampler.set_epoch(epoch)  # Trap: Each epoch needs it for a shuffle of its own.
+            state.sampler.set_epoch(epoch)  # DDP: Trap: Each epoch needs it for its own shuffle.
             # A resumed epoch skips the steps that it has already trained, and it keeps its totals.
             state.batch_sampler.skip_steps = progress.step - epoch * plan.steps_per_epoch
         if progress.step == epoch * plan.steps_per_epoch:  # A new epoch starts its totals.
@@ -438,10 +438,10 @@ def train(args, world):
             speed.add(vote.step_items)  # The vote counted the step's items on all ranks.
             stops = after_step(args, world, state, vote, speed, grad_norm)
             if stops:
-                vote.restore()
+                vote.restore_signal_handlers()
                 log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
                 return EXIT_STOPPED
-    vote.restore()
+    vote.restore_signal_handlers()
     return end_run(args, world, state)
 
 
@@ -473,7 +473,7 @@ def after_step(args, world, state, vote, speed, grad_norm):
         record = progress_record(plan, progress, grad_norm, speed)
         write_record(args, world, record, plan.total_steps)
         progress.totals_since_log = Totals()
-    if step == plan.total_steps and world.rank == 0:
+    if step == plan.total_steps and world.rank == 0:  # DDP: Only rank 0 writes.
         save_weights(args, state)
     if save_now:
         save_checkpoint(args, world, state)
@@ -511,7 +511,7 @@ def train_step(args, world, state, batches, vote, measure_grad_norm, epoch_ends)
             loss, metrics = check_loss_output(output, count)
             add_means(state.pending_sums, {"loss": loss, **metrics}, count)
             state.pending_count += count
-            if i == 0:  # The vote ran beside the first forward, and now its count is needed.
+            if i == 0:  # The vote ran beside the first forward, so no step waits for it alone.
                 vote.finish()
                 check_step_items(vote.step_items, state.plan)
             # DDP: DDP averages the gradients over the ranks. So each mean is multiplied by its
@@ -981,7 +981,7 @@ def save_checkpoint(args, world, state):
             for key, value in values.items():
                 if torch.is_tensor(value) and not value.untyped_storage().resizable():
                     values[key] = value.clone()
-    if world.rank == 0:
+    if world.rank == 0:  # DDP: Only rank 0 writes the checkpoint.
         # Plain values let a weights_only torch.load read the progress and the flags back.
         plain_args = {}
         for name, value in vars(args).items():
@@ -1227,7 +1227,7 @@ class StepVote:
         self.should_stop = signals > 0
         self.stream_ended = ended_ranks > 0
 
-    def restore(self):
+    def restore_signal_handlers(self):
         for sig, handler in self.previous_handlers.items():
             signal.signal(sig, handler)
 
@@ -1278,12 +1278,12 @@ def setup_training(args, world):
         os.replace(path, path.removesuffix(".tmp"))
     ddp_model = model
     if world.world_size > 1:
-        # DDP: The wrap broadcasts rank 0's weights. Then it averages the gradients in buckets.
-        # gradient_as_bucket_view lets the gradients live in those buckets, which saves a copy.
+        # DDP: The wrap broadcasts rank 0's weights, and it needs no device_ids after set_device().
+        # It averages the gradients in buckets, and the gradients live in them, which saves a copy.
         ddp_model = DDP(
             model, find_unused_parameters=args.find_unused_parameters, gradient_as_bucket_view=True
         )
-    train_model = ddp_model  # compute_loss calls this model in training.
+    train_model = ddp_model  # torch.compile wraps DDP, so DDP's buckets still split the graph.
     if args.compile:
         train_model = torch.compile(ddp_model)
     if world.rank == 0:  # Rank 0 writes only now, after every check, so a mistake writes nothing.
