@@ -1285,6 +1285,7 @@ def test_a_task_adds_its_flags_and_its_defaults_and_the_command_line_overrides_t
 
 SEAMS_TASK = """
 import argparse
+import sys
 sys.path.insert(0, {root!r})
 import torch
 import torch.nn.functional as F
