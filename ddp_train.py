@@ -436,7 +436,7 @@ def train(args, world):
             progress.lr = lr
             state.epoch_seconds = time.perf_counter() - epoch_started
             speed.add(vote.step_items)  # The vote counted the step's items on all ranks.
-            stops = after_step(args, world, state, vote, speed, grad_norm)
+            stops = after_step(args, world, state, vote, speed, grad_norm, log_now)
             if stops:
                 vote.restore_signal_handlers()
                 log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
@@ -445,8 +445,9 @@ def train(args, world):
     return end_run(args, world, state)
 
 
-def after_step(args, world, state, vote, speed, grad_norm):
-    """All ranks do what follows a step, in this order. Return whether the run stops now.
+def after_step(args, world, state, vote, speed, grad_norm, log_now):
+    """All ranks do what follows a step, in this order. Return whether the run stops now. log_now
+    says whether the step writes a progress record.
 
     1. All ranks add up their losses, where a record or a save needs them. A checkpoint holds the
        totals of the losses, so a save needs them too.
@@ -461,7 +462,6 @@ def after_step(args, world, state, vote, speed, grad_norm):
     plan = state.plan
     progress = state.progress
     step = progress.step
-    log_now = args.log_every > 0 and step % args.log_every == 0
     periodic_save = args.save_every > 0 and step % args.save_every == 0
     evaluates = due_record_kind(args, state, step) is not None
     save_now = periodic_save or evaluates or vote.should_stop
@@ -493,11 +493,11 @@ def train_step(args, world, state, batches, vote, measure_grad_norm, epoch_ends)
     counts = [count_items(batch) for batch in batches]  # They are counted on the CPU.
     stream_ended = len(batches) < state.plan.grad_accum  # Only a stream ends inside an epoch.
     vote.start(sum(counts), stream_ended)  # DDP: The vote also adds up the ranks' counts.
-    if state.plan.stream:
-        # DDP: A rank whose stream has ended has no batch for a forward. So for a stream, all ranks
-        # finish the vote now, before the forward, and the finish() below does nothing.
-        vote.finish()
-        check_no_stream_ended(vote, state.progress.step, state.plan.total_steps)
+    # DDP: A rank whose stream has ended may have no batch for a forward. So a stream's step waits
+    # for the vote before its forward. Other steps wait after their first forward.
+    waits_before_forward = state.plan.stream
+    if waits_before_forward:
+        finish_vote(vote, state)
     for i, (batch, count) in enumerate(zip(batches, counts)):
         batch = to_device(batch, world.device)
         # DDP: no_sync skips the gradient all-reduce. Only the last micro-batch's backward runs it.
@@ -511,9 +511,8 @@ def train_step(args, world, state, batches, vote, measure_grad_norm, epoch_ends)
             loss, metrics = check_loss_output(output, count)
             add_means(state.pending_sums, {"loss": loss, **metrics}, count)
             state.pending_count += count
-            if i == 0:  # The vote ran beside the first forward, so no step waits for it alone.
-                vote.finish()
-                check_step_items(vote.step_items, state.plan)
+            if i == 0 and not waits_before_forward:  # The vote ran beside the first forward.
+                finish_vote(vote, state)
             # DDP: DDP averages the gradients over the ranks. So each mean is multiplied by its
             # count over the step's count, times the world size. Then the gradient is the exact
             # mean over all the items of the step. When every batch holds the same count, the
@@ -544,17 +543,21 @@ def train_step(args, world, state, batches, vote, measure_grad_norm, epoch_ends)
     return lr, grad_norm
 
 
-def check_no_stream_ended(vote, trained_steps, total_steps):
-    """Stop every rank with one line if the stream of any rank has ended before this step."""
+def finish_vote(vote, state):
+    """All ranks wait for the step's vote. They all stop with one line if the stream of any rank
+    has ended before this step, or if the count of the step's items is wrong."""
+    vote.finish()
+    trained_steps = state.progress.step
     if trained_steps > 0:
         advice = f"pass --max-steps {trained_steps}"
     else:
         advice = "give each rank a whole step"
     check(
         not vote.stream_ended,
-        f"the training stream of a rank ended before step {trained_steps + 1} of {total_steps}: "
-        f"{advice}, or let the stream repeat",
+        f"the training stream of a rank ended before step {trained_steps + 1} of "
+        f"{state.plan.total_steps}: {advice}, or let the stream repeat",
     )
+    check_step_items(vote.step_items, state.plan)
 
 
 def steps_now(scheduler, epoch_ends):
@@ -1217,8 +1220,6 @@ class StepVote:
         if self.world.world_size == 1:  # One process reads its notes as late as it can.
             self.should_stop = len(self.signals) > 0
             self.step_items = self.rank_items
-            return
-        if self.reduction is None:  # A stream's step finished its vote already, before its forward.
             return
         self.reduction.wait()
         self.reduction = None  # The finished all-reduce holds the group, which must be freed.
