@@ -232,13 +232,13 @@ class Encoded(collections.UserDict):
         return Encoded({k: v.to(device, non_blocking=non_blocking) for k, v in self.items()})
 
 
-def train_step_without_syncs(args, world, state, batches, vote, measure_grad_norm, epoch_ends):
+def train_step_without_syncs(args, world, state, batches, vote, log_now, epoch_ends):
     """nosync: any wait for the GPU in a step that neither logs, evaluates nor saves is an error.
     Not checked: the steps before CHECK_FROM (DDP measures its own first 10 iterations with CUDA
     events, which waits for them)."""
     step = state.progress.step + 1
     torch.cuda.set_sync_debug_mode("error" if step >= int(env.get("CHECK_FROM", 1)) else "default")
-    result = train_step_of_the_script(args, world, state, batches, vote, measure_grad_norm, epoch_ends)
+    result = train_step_of_the_script(args, world, state, batches, vote, log_now, epoch_ends)
     periodic = [args.log_every, args.save_every, args.eval_every, state.plan.steps_per_epoch]
     if any(every and step % every == 0 for every in periodic) or step == state.plan.total_steps:
         torch.cuda.set_sync_debug_mode("default")

@@ -485,16 +485,18 @@ def after_step(args, world, state, vote, speed, grad_norm, log_now):
     return False
 
 
-def train_step(args, world, state, batches, vote, measure_grad_norm, epoch_ends):
+def train_step(args, world, state, batches, vote, log_now, epoch_ends):
     """All ranks take one optimizer step over this rank's micro-batches of the step.
 
     It returns the step's learning rate and its gradient norm. The norm is a tensor, and it is None
-    unless the step clips or logs it. epoch_ends says whether the step is the last of its epoch."""
+    unless the step clips, or logs the norm because log_now is true. epoch_ends says whether the
+    step is the last of its epoch."""
     counts = [count_items(batch) for batch in batches]  # They are counted on the CPU.
     stream_ended = len(batches) < state.plan.grad_accum  # Only a stream ends inside an epoch.
     vote.start(sum(counts), stream_ended)  # DDP: The vote also adds up the ranks' counts.
-    # DDP: A rank whose stream has ended may have no batch for a forward. So a stream's step waits
-    # for the vote before its forward. Other steps wait after their first forward.
+    # DDP: The weight of the backward needs the count of all ranks, so the vote finishes before the
+    # first backward. It runs beside the first forward, so that no step waits for it alone. A rank
+    # whose stream has ended may have no batch, so a stream's step waits before any forward.
     waits_before_forward = state.plan.stream
     if waits_before_forward:
         finish_vote(vote, state)
@@ -511,7 +513,7 @@ def train_step(args, world, state, batches, vote, measure_grad_norm, epoch_ends)
             loss, metrics = check_loss_output(output, count)
             add_means(state.pending_sums, {"loss": loss, **metrics}, count)
             state.pending_count += count
-            if i == 0 and not waits_before_forward:  # The vote ran beside the first forward.
+            if i == 0 and not waits_before_forward:  # The weight below needs the vote's count.
                 finish_vote(vote, state)
             # DDP: DDP averages the gradients over the ranks. So each mean is multiplied by its
             # count over the step's count, times the world size. Then the gradient is the exact
@@ -522,7 +524,7 @@ def train_step(args, world, state, batches, vote, measure_grad_norm, epoch_ends)
             weight = count * world.world_size / step_items
             state.scaler.scale(loss * weight).backward()
     grad_norm = None
-    if args.clip_grad_norm or measure_grad_norm:
+    if args.clip_grad_norm or log_now:
         for optimizer in state.optimizers:
             # Trap: Clip and log the true gradients, not the gradients that fp16 scaled up.
             state.scaler.unscale_(optimizer)
@@ -1222,7 +1224,9 @@ class StepVote:
             self.step_items = self.rank_items
             return
         self.reduction.wait()
-        self.reduction = None  # The finished all-reduce holds the group, which must be freed.
+        # Trap: The finished all-reduce still holds the connections of the gloo group. Section 11
+        # says why they must be freed before the process exits, so the vote lets go of them here.
+        self.reduction = None
         # These are the sums over all ranks of the three votes that start() sent.
         signals, self.step_items, ended_ranks = self.votes.tolist()
         self.should_stop = signals > 0
