@@ -549,16 +549,16 @@ def finish_vote(vote, state):
     """All ranks wait for the step's vote. They all stop with one line if the stream of any rank
     has ended before this step, or if the count of the step's items is wrong."""
     vote.finish()
-    trained_steps = state.progress.step
-    if trained_steps > 0:
-        advice = f"pass --max-steps {trained_steps}"
-    else:
-        advice = "give each rank a whole step"
-    check(
-        not vote.stream_ended,
-        f"the training stream of a rank ended before step {trained_steps + 1} of "
-        f"{state.plan.total_steps}: {advice}, or let the stream repeat",
-    )
+    if vote.stream_ended:  # Only a stream ends, so other steps never build this message.
+        trained_steps = state.progress.step
+        if trained_steps > 0:
+            advice = f"pass --max-steps {trained_steps}"
+        else:
+            advice = "give each rank a whole step"
+        fail(
+            f"the training stream of a rank ended before step {trained_steps + 1} of "
+            f"{state.plan.total_steps}: {advice}, or let the stream repeat"
+        )
     check_step_items(vote.step_items, state.plan)
 
 
