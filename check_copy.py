@@ -468,7 +468,7 @@ LAUNCHES = {
     # steps. Each rank saves the checkpoint's parts as it holds them, for check 5.
     "torchrun": Planned("torchrun", 1, 2, "torchrun", dict(CHECK_DESCRIBE=1, CHECK_PARTS=1)),
     # This launch gets SIGTERM in step 2, at its fourth micro-batch. By then every rank has sent
-    # its step vote of step 2 without the signal, and rank 0 sends it in its vote of step 3. So
+    # its stop vote of step 2 without the signal, and rank 0 sends it in its vote of step 3. So
     # every rank stops after step 3, in the middle of an epoch, whenever the other ranks get it.
     "stopped": Planned("torchrun", 1, 2, "stopped", dict(CHECK_STOP_AT=4)),
     "spawn": Planned("spawn", 1, 1, "spawn", {}),

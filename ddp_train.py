@@ -228,7 +228,7 @@ class World:
     local_rank: int  # The rank on this node picks its GPU.
     world_size: int
     device: torch.device
-    # Small CPU messages, such as the step vote, go over this gloo group. On GPUs it is a group
+    # Small CPU messages, such as the step sync, go over this gloo group. On GPUs it is a group
     # beside the NCCL group, because NCCL moves only GPU tensors, in the GPU's queue of work. On
     # CPUs it is the process group itself. One process has no group.
     gloo_group: object = None
@@ -365,9 +365,9 @@ class TrainState:
 
     plan: Plan
     progress: SavedProgress
-    raw_model: nn.Module  # We save and evaluate the raw module, and report() gets it.
-    ddp_model: nn.Module  # DDP's wrapper gives no_sync(). A single process has the raw module here.
-    train_model: nn.Module  # compute_loss calls this. It is the DDP model or its compiled form.
+    raw_model: nn.Module  # This is the model itself. We save and evaluate it, and report() gets it.
+    ddp_model: nn.Module  # DDP's wrapper gives no_sync(). One process has only the model here.
+    train_model: nn.Module  # Training calls this. It is ddp_model, or its compiled form.
     stateful_parts: dict  # A checkpoint saves and restores each of these by its name.
     averaged_models: dict  # These follow the model's weights, as build_averaged_models() says.
     optimizers: list
@@ -381,8 +381,8 @@ class TrainState:
     # These hold this rank's sums of the loss and the metrics, and its count of items, since the
     # last loss all_reduce. The sums stay tensors on the device, so that no step waits for the GPU.
     # The loss all_reduce adds up the sums and the counts of all ranks.
-    pending_sums: dict = dataclasses.field(default_factory=dict)
-    pending_count: int = 0
+    unreduced_sums: dict = dataclasses.field(default_factory=dict)
+    unreduced_count: int = 0
     epoch_seconds: float = 0.0  # This is the time of the epoch's steps, up to the last one trained.
 
 
@@ -408,13 +408,11 @@ def train(args, world):
     state = setup_training(args, world)
     plan = state.plan
     progress = state.progress
-    # A resume drops the records past its step, and it runs its step's evaluation if it is missing.
-    records_in_file = truncate_metrics_after(args, world, progress.step)
-    evaluate_if_due(args, world, state, records_in_file)
+    resume_records(args, world, state)
     if progress.step >= plan.total_steps:
         return rewrite_finished_run(args, world, state)
     log_header(args, world, state)
-    vote = StepVote(world)
+    step_sync = StepSync(world)
     speed = Throughput(progress.step, plan.total_steps)
     for epoch in range(progress.step // plan.steps_per_epoch, plan.epochs):
         last_step_of_epoch = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
@@ -431,21 +429,21 @@ def train(args, world):
             # The step takes its --grad-accum batches. A stream that has ended gives fewer.
             batches = list(itertools.islice(micro_batches, plan.grad_accum))
             epoch_ends = step % plan.steps_per_epoch == 0
-            lr, grad_norm = train_step(args, world, state, batches, vote, log_now, epoch_ends)
+            lr, grad_norm = train_step(args, world, state, batches, step_sync, log_now, epoch_ends)
             progress.step = step
             progress.lr = lr
             state.epoch_seconds = time.perf_counter() - epoch_started
-            speed.add(vote.step_items)  # The vote counted the step's items on all ranks.
-            stops = after_step(args, world, state, vote, speed, grad_norm, log_now)
+            speed.add(step_sync.global_items)  # This counts the step's items on all ranks.
+            stops = after_step(args, world, state, step_sync, speed, grad_norm, log_now)
             if stops:
-                vote.restore_signal_handlers()
+                step_sync.restore_signal_handlers()
                 log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
                 return EXIT_STOPPED
-    vote.restore_signal_handlers()
+    step_sync.restore_signal_handlers()
     return end_run(args, world, state)
 
 
-def after_step(args, world, state, vote, speed, grad_norm, log_now):
+def after_step(args, world, state, step_sync, speed, grad_norm, log_now):
     """All ranks do what follows a step, in this order. Return whether the run stops now. log_now
     says whether the step writes a progress record.
 
@@ -463,8 +461,8 @@ def after_step(args, world, state, vote, speed, grad_norm, log_now):
     progress = state.progress
     step = progress.step
     periodic_save = args.save_every > 0 and step % args.save_every == 0
-    evaluates = due_record_kind(args, state, step) is not None
-    save_now = periodic_save or evaluates or vote.should_stop
+    record_due = due_record_kind(args, state, step) is not None  # Then the step evaluates.
+    save_now = periodic_save or record_due or step_sync.should_stop
     if log_now or save_now:
         sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
         check_finite(sums["loss"], state.raw_model, step)
@@ -479,13 +477,13 @@ def after_step(args, world, state, vote, speed, grad_norm, log_now):
         save_checkpoint(args, world, state)
     if record and world.rank == 0:
         report(record, args, state.raw_model)
-    if vote.should_stop and step < plan.total_steps:
+    if step_sync.should_stop and step < plan.total_steps:
         return True
     evaluate_if_due(args, world, state)
     return False
 
 
-def train_step(args, world, state, batches, vote, log_now, epoch_ends):
+def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
     """All ranks take one optimizer step over this rank's micro-batches of the step.
 
     It returns the step's learning rate and its gradient norm. The norm is a tensor, and it is None
@@ -493,13 +491,10 @@ def train_step(args, world, state, batches, vote, log_now, epoch_ends):
     step is the last of its epoch."""
     counts = [count_items(batch) for batch in batches]  # They are counted on the CPU.
     stream_ended = len(batches) < state.plan.grad_accum  # Only a stream ends inside an epoch.
-    vote.start(sum(counts), stream_ended)  # DDP: The vote also adds up the ranks' counts.
-    # DDP: The weight of the backward needs the count of all ranks, so the vote finishes before the
-    # first backward. It runs beside the first forward, so that no step waits for it alone. A rank
-    # whose stream has ended may have no batch, so a stream's step waits before any forward.
-    waits_before_forward = state.plan.stream
-    if waits_before_forward:
-        finish_vote(vote, state)
+    # DDP: The weight of the backward needs the count of all ranks, so the ranks add up their counts
+    # before the first forward. The same all-reduce tells every rank whether to stop.
+    step_sync.exchange(sum(counts), stream_ended)
+    check_step_sync(step_sync, state)
     for i, (batch, count) in enumerate(zip(batches, counts)):
         batch = to_device(batch, world.device)
         # DDP: no_sync skips the gradient all-reduce. Only the last micro-batch's backward runs it.
@@ -511,17 +506,15 @@ def train_step(args, world, state, batches, vote, log_now, epoch_ends):
             with state.autocast:
                 output = compute_loss(state.train_model, batch, args)
             loss, metrics = check_loss_output(output, count)
-            add_means(state.pending_sums, {"loss": loss, **metrics}, count)
-            state.pending_count += count
-            if i == 0 and not waits_before_forward:  # The weight below needs the vote's count.
-                finish_vote(vote, state)
+            add_means(state.unreduced_sums, {"loss": loss, **metrics}, count)
+            state.unreduced_count += count
             # DDP: DDP averages the gradients over the ranks. So each mean is multiplied by its
             # count over the step's count, times the world size. Then the gradient is the exact
             # mean over all the items of the step. When every batch holds the same count, the
             # weight is 1 / grad_accum, as in nanoGPT's loss / gradient_accumulation_steps. fp16's
             # scaler scales a mean, never a sum.
-            step_items = max(1, vote.step_items)  # A step of 0 tokens gets weight 0, not 0 / 0.
-            weight = count * world.world_size / step_items
+            global_items = max(1, step_sync.global_items)  # A step of 0 tokens gets weight 0.
+            weight = count * world.world_size / global_items
             state.scaler.scale(loss * weight).backward()
     grad_norm = None
     if args.clip_grad_norm or log_now:
@@ -545,11 +538,10 @@ def train_step(args, world, state, batches, vote, log_now, epoch_ends):
     return lr, grad_norm
 
 
-def finish_vote(vote, state):
-    """All ranks wait for the step's vote. They all stop with one line if the stream of any rank
-    has ended before this step, or if the count of the step's items is wrong."""
-    vote.finish()
-    if vote.stream_ended:  # Only a stream ends, so other steps never build this message.
+def check_step_sync(step_sync, state):
+    """All ranks stop with one line if the stream of any rank has ended before this step, or if the
+    count of the step's items is wrong."""
+    if step_sync.stream_ended:  # Only a stream ends, so other steps never build this message.
         trained_steps = state.progress.step
         if trained_steps > 0:
             advice = f"pass --max-steps {trained_steps}"
@@ -559,7 +551,7 @@ def finish_vote(vote, state):
             f"the training stream of a rank ended before step {trained_steps + 1} of "
             f"{state.plan.total_steps}: {advice}, or let the stream repeat"
         )
-    check_step_items(vote.step_items, state.plan)
+    check_step_items(step_sync.global_items, state.plan)
 
 
 def steps_now(scheduler, epoch_ends):
@@ -574,7 +566,7 @@ def steps_now(scheduler, epoch_ends):
 
 # ====== 4. Exact means ============================================================================
 # The gradient and the logged figures are exact means over all the items of a step. Each rank
-# counts its items on the CPU before the forward, and the step vote adds up the counts of all ranks.
+# counts its items on the CPU before the forward, and the step sync adds up the counts of all ranks.
 # Each micro-batch's mean is then multiplied by its count over the step's count. The test
 # test_n_processes_x_b_with_accumulation_equal_one_process_x_n_times_b proves it.
 
@@ -617,12 +609,12 @@ def add_means(sums, means, count):
         sums[name] = sums.get(name, 0.0) + value
 
 
-def check_step_items(step_items, plan):
+def check_step_items(global_items, plan):
     """A step of samples holds exactly the global batch. Another count means that count_items
     counts something else, such as tokens, and then every mean would be wrong."""
     check(
-        COUNT_UNIT != "samples" or step_items == plan.global_batch,
-        f"count_items counted {step_items} items in a step of {plan.global_batch} samples, but "
+        COUNT_UNIT != "samples" or global_items == plan.global_batch,
+        f"count_items counted {global_items} items in a step of {plan.global_batch} samples, but "
         'COUNT_UNIT is samples: count the samples, or set COUNT_UNIT to "tokens"',
     )
 
@@ -633,10 +625,10 @@ def all_reduce_losses(world, state):
     tutorials' loss all_reduce. It is the one place where training reads the device, and only the
     steps that log, evaluate or save reach it. It adds with SUM, because gloo does not support AVG
     on every torch version."""
-    names = list(state.pending_sums)
-    values = [state.pending_sums[name].to(world.device) for name in names]
+    names = list(state.unreduced_sums)
+    values = [state.unreduced_sums[name].to(world.device) for name in names]
     # The count rides in the same tensor. A float64 holds every count below 2**53 exactly.
-    values.append(torch.tensor(state.pending_count, dtype=torch.float64, device=world.device))
+    values.append(torch.tensor(state.unreduced_count, dtype=torch.float64, device=world.device))
     values = torch.stack(values)
     if world.world_size > 1:
         dist.all_reduce(values)  # DDP: Add up every rank's sums and counts.
@@ -644,8 +636,8 @@ def all_reduce_losses(world, state):
     sums = dict(zip(names, sum_values))
     state.progress.epoch_totals.add(sums, int(count))
     state.progress.totals_since_log.add(sums, int(count))
-    state.pending_sums = {}
-    state.pending_count = 0
+    state.unreduced_sums = {}
+    state.unreduced_count = 0
     return sums
 
 
@@ -743,21 +735,14 @@ def due_record_kind(args, state, step):
     return None
 
 
-def evaluate_if_due(args, world, state, records_in_file=None):
+def evaluate_if_due(args, world, state):
     """If the last step is due for a record, as due_record_kind() says, all ranks evaluate, and
     rank 0 writes the epoch or eval record and gives it to report(). An epoch record evaluates too,
-    so no eval record comes beside it. A ReduceLROnPlateau steps with the record's eval loss. A
-    resume passes records_in_file, the records {kind: record} that metrics.jsonl holds at its step,
-    and they are not made again."""
+    so no eval record comes beside it. A ReduceLROnPlateau steps with the record's eval loss."""
     plan = state.plan
     step = state.progress.step
     kind = due_record_kind(args, state, step)
-    if step == 0 or kind is None:
-        return
-    if records_in_file and kind in records_in_file:
-        # A step saves before it evaluates, so the checkpoint predates this record. The resumed
-        # plateau schedule has not yet stepped with the record's eval loss, and it steps now.
-        step_plateaus(state, records_in_file[kind])
+    if kind is None:
         return
     record = {"kind": kind, "step": step, "epoch": math.ceil(step / plan.steps_per_epoch)}
     if kind == "epoch":
@@ -771,6 +756,26 @@ def evaluate_if_due(args, world, state, records_in_file=None):
     if world.rank == 0:
         report(record, args, state.raw_model)
     step_plateaus(state, record)
+
+
+def resume_records(args, world, state):
+    """All ranks finish the records of the step that the run resumes from. The records past that
+    step are deleted, because the run writes them again. A new run starts at step 0, with no
+    records.
+
+    A step saves its checkpoint before it evaluates. So a stop or a crash can come after the save
+    and before the step's epoch or eval record. If metrics.jsonl lacks the record, all ranks
+    evaluate now. If it holds the record, the checkpoint still predates it, so the plateau
+    schedules have not yet stepped with its eval loss, and they step now."""
+    step = state.progress.step
+    records_in_file = truncate_metrics_after(args, world, step)
+    kind = due_record_kind(args, state, step)
+    if step == 0 or kind is None:
+        return
+    if kind in records_in_file:
+        step_plateaus(state, records_in_file[kind])
+    else:
+        evaluate_if_due(args, world, state)
 
 
 def step_plateaus(state, record):
@@ -868,9 +873,8 @@ def write_record(args, world, record, total_steps, to_file=True):
 
 def truncate_metrics_after(args, world, step):
     """Rank 0 removes the records past the checkpoint's step from metrics.jsonl, as TensorBoard's
-    purge_step does, because the run writes them again. Return the records that the file holds at
-    the step, as {kind: record}, on every rank, so that the run writes only the ones that it
-    lacks."""
+    purge_step does. Return the records that the file holds at the step, as {kind: record}, on
+    every rank."""
     path = f"{args.out_dir}/metrics.jsonl"
     records_in_file = {}
     kept_lines = []
@@ -975,17 +979,7 @@ def save_checkpoint(args, world, state):
             "the stream's state_dict() holds values other than ints, floats, strings, lists and "
             "dicts with string keys: make them plain, so that a checkpoint can hold them",
         )
-    # Trap: On the CPU, the optimizer that a resume restored keeps tensors that read their values
-    # from the checkpoint's file, because torch.load mapped it. This save renames that file, and
-    # the next save deletes it. A deleted file keeps its disk space while a process maps it. So at
-    # its first save, each rank copies those tensors into its own memory. A storage that torch.load
-    # mapped from the file cannot be resized, because the file fixes its size. The optimizer's own
-    # tensors can be resized. That is how we find the mapped ones.
-    for optimizer in state.optimizers:
-        for values in optimizer.state.values():
-            for key, value in values.items():
-                if torch.is_tensor(value) and not value.untyped_storage().resizable():
-                    values[key] = value.clone()
+    copy_mapped_tensors(state.optimizers)  # Trap: This matters on the CPU. Its docstring says why.
     if world.rank == 0:  # DDP: Only rank 0 writes the checkpoint.
         # Plain values let a weights_only torch.load read the progress and the flags back.
         plain_args = {}
@@ -1007,6 +1001,20 @@ def save_checkpoint(args, world, state):
     if world.world_size > 1:
         # Trap: No rank goes on or exits before the checkpoint is written.
         dist.barrier(group=world.gloo_group)
+
+
+def copy_mapped_tensors(optimizers):
+    """Trap: On the CPU, an optimizer that a resume restored keeps tensors that read their values
+    from the checkpoint's file, because torch.load mapped the file. The next save deletes that file,
+    and a deleted file keeps its disk space while a process maps it. So before a save, each rank
+    copies those tensors into its own memory. On a GPU, the restored tensors are on the GPU, and
+    nothing is mapped. A mapped storage cannot be resized, because the file fixes its size, and an
+    optimizer's own tensors can. That is how this finds the mapped tensors."""
+    for optimizer in optimizers:
+        for values in optimizer.state.values():
+            for key, value in values.items():
+                if torch.is_tensor(value) and not value.untyped_storage().resizable():
+                    values[key] = value.clone()
 
 
 def restore_checkpoint(args, world, stateful_parts, path, checkpoint):
@@ -1038,11 +1046,11 @@ def restore_checkpoint(args, world, stateful_parts, path, checkpoint):
     log(
         f"resumed from {path} at step {progress.step}, saved by {len(checkpoint['rng'])} process(es)"
     )
-    changed = [
-        f"--{name.replace('_', '-')} {value} (it had {checkpoint['args'][name]})"
-        for name, value in vars(args).items()
-        if name not in FREE_AT_RESUME and checkpoint["args"].get(name, value) != value
-    ]
+    changed = []
+    for name, value in vars(args).items():
+        saved_value = checkpoint["args"].get(name, value)  # A flag that the run lacked is the same.
+        if name not in FREE_AT_RESUME and saved_value != value:
+            changed.append(f"--{name.replace('_', '-')} {value} (it had {saved_value})")
     if changed:
         log(
             f"flags unlike the checkpoint's run: {', '.join(changed)}. Its optimizers keep their "
@@ -1157,6 +1165,12 @@ def seed_everything(seed):
         numpy.random.seed(seed % 2**32)
 
 
+def rank_seed(args, world):
+    """Return the seed of this rank's random draws in training. Every rank builds the model from
+    args.seed, so the 1 sets the ranks' seeds apart from it."""
+    return args.seed + 1 + world.rank
+
+
 def rng_state():
     """Return this process's random states, as values that a weights_only torch.load reads."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -1184,25 +1198,21 @@ def set_rng_state(state):
 # test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_ends_bit_identical proves it.
 
 
-class StepVote:
-    """At every step, all ranks vote whether to stop. The vote is an all-reduce that runs at every
-    step anyway, so it also adds up the ranks' counts of the step's items, as step_items. Then the
-    count needs no collective of its own.
+class StepSync:
+    """At every step, before the first forward, all ranks add up three numbers in one all-reduce
+    over gloo. These are the stop signals that they got, their counts of the step's items, and
+    whether their streams have ended. So every rank knows the step's count of items over all ranks,
+    which the weight of the backward needs, and all ranks stop after the same step.
 
     Preemption sends SIGTERM or SIGUSR1, and Ctrl-C sends SIGINT. Trap: The handler only notes the
-    signal, because a collective inside a handler deadlocks. start() sends this rank's notes and
-    count in an asynchronous all-reduce over gloo, and finish() waits for the sums. If any rank got
-    a signal, every rank stops after this step. The vote also says whether a rank's stream ended."""
+    signal, because a collective inside a handler deadlocks."""
 
     def __init__(self, world):
         self.world = world
         self.signals = []  # These are the stop signals that this process got.
-        self.should_stop = False
+        self.should_stop = False  # This says whether any rank got a stop signal.
         self.stream_ended = False  # This says whether any rank's stream ran out in this step.
-        self.step_items = 0  # This counts the step's items over all ranks.
-        self.rank_items = 0  # This counts the step's items on this rank.
-        self.votes = None
-        self.reduction = None
+        self.global_items = 0  # This counts the step's items over all ranks.
         self.previous_handlers = {}
         for sig in STOP_SIGNALS:
             self.previous_handlers[sig] = signal.signal(sig, self.on_signal)
@@ -1210,26 +1220,15 @@ class StepVote:
     def on_signal(self, signum, frame):
         self.signals.append(signum)
 
-    def start(self, rank_items, stream_ended=False):
-        self.rank_items = int(rank_items)
-        self.stream_ended = stream_ended
+    def exchange(self, rank_items, stream_ended):
+        """All ranks add up their signals, their counts of items and their ended streams."""
+        numbers = [len(self.signals), rank_items, int(stream_ended)]
+        numbers = torch.tensor(numbers, dtype=torch.int64)
         if self.world.world_size > 1:
-            votes = [len(self.signals), self.rank_items, int(stream_ended)]
-            self.votes = torch.tensor(votes, dtype=torch.int64)
-            self.reduction = dist.all_reduce(self.votes, group=self.world.gloo_group, async_op=True)
-
-    def finish(self):
-        if self.world.world_size == 1:  # One process reads its notes as late as it can.
-            self.should_stop = len(self.signals) > 0
-            self.step_items = self.rank_items
-            return
-        self.reduction.wait()
-        # Trap: The finished all-reduce still holds the connections of the gloo group. Section 11
-        # says why they must be freed before the process exits, so the vote lets go of them here.
-        self.reduction = None
-        # These are the sums over all ranks of the three votes that start() sent.
-        signals, self.step_items, ended_ranks = self.votes.tolist()
+            dist.all_reduce(numbers, group=self.world.gloo_group)  # DDP: This adds with SUM.
+        signals, global_items, ended_ranks = numbers.tolist()
         self.should_stop = signals > 0
+        self.global_items = global_items
         self.stream_ended = ended_ranks > 0
 
     def restore_signal_handlers(self):
@@ -1263,7 +1262,7 @@ def setup_training(args, world):
     averaged_models = build_averaged_models(args, model)
     stateful_parts = name_parts(model, scaler, optimizers, schedulers, averaged_models)
     # DDP: Each rank gets a random stream of its own, so that dropout differs between the ranks.
-    seed_everything(args.seed + 1 + world.rank)  # The 1 sets it apart from the weights' seed.
+    seed_everything(rank_seed(args, world))
     progress = SavedProgress()
     if checkpoint:
         progress = restore_checkpoint(args, world, stateful_parts, path, checkpoint)
@@ -1427,7 +1426,7 @@ def loader_options(args, world, workers, training):
         pin_memory=world.device.type == "cuda",
         # Trap: Each rank needs a generator of its own. Otherwise the workers' seeds come from the
         # global generator, which is the same on every rank, and the ranks augment alike.
-        generator=torch.Generator().manual_seed(args.seed + 1 + world.rank),
+        generator=torch.Generator().manual_seed(rank_seed(args, world)),
     )
 
 
@@ -1436,8 +1435,8 @@ def make_train_loader(args, world, train_set, plan):
 
     A stream, an IterableDataset, has neither. It gives each rank its own items, and it may ask
     torch.distributed for the rank. It has no length, so its run is one epoch of --max-steps steps.
-    The ranks vote before each forward, and all stop with one line when a rank's stream runs out.
-    Each checkpoint holds every rank's stream.state_dict(), so a resume needs the same world size.
+    The step sync runs before each forward, and all ranks stop with one line when a rank's stream
+    runs out. Each checkpoint holds every rank's stream.state_dict(), so a resume needs the same world size.
     A stream needs --workers 0, because each worker would hold a copy that no checkpoint can read."""
     options = loader_options(args, world, args.workers, training=True)
     if plan.stream:

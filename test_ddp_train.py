@@ -976,7 +976,8 @@ def test_a_truncated_checkpoint_falls_back_to_the_one_before_or_stops_with_one_l
     project, tmp_path, reference
 ):
     cmd = user_cmd(project, "python", *RESUME[:-1], 32)
-    run(cmd, tmp_path, expect=75, env=clean_env(STOP_AT=45, STOP_SIGNAL="SIGTERM"))
+    # The signal comes in step 44, after that step's stop vote, so the run stops after step 45.
+    run(cmd, tmp_path, expect=75, env=clean_env(STOP_AT=44, STOP_SIGNAL="SIGTERM"))
     out = tmp_path / "out"
     shutil.copytree(out, tmp_path / "spare")
     # A crash in the middle of a write leaves a torn checkpoint.pt. The file checkpoint.prev.pt of
@@ -1608,7 +1609,7 @@ def test_the_cpu_slots_follow_the_cpus_that_the_process_may_use(tmp_path, kind):
 # This guards against regrowth. The budget counts every formatted line of the file, comments
 # included, and the lines of its longest function. No line may ask ruff to skip its formatting. The
 # line budget is the count of the file when it was set.
-BUDGET = {"lines": 1760, "function lines": 60}
+BUDGET = {"lines": 1759, "function lines": 60}
 
 
 def test_the_script_stays_within_its_budget():
@@ -2037,8 +2038,8 @@ ddp_train.compute_loss = compute_loss
     "double-accum": (
         {2: "--grad-accum twice"},
         (
-            "            weight = count * world.world_size / step_items",
-            "            weight = count * world.world_size / step_items / state.plan.grad_accum",
+            "            weight = count * world.world_size / global_items",
+            "            weight = count * world.world_size / global_items / state.plan.grad_accum",
             "digits.py",
         ),
     ),
@@ -2046,7 +2047,7 @@ ddp_train.compute_loss = compute_loss
     "equal-token-means": (
         {2: "weighed equally"},
         (
-            "            weight = count * world.world_size / step_items",
+            "            weight = count * world.world_size / global_items",
             "            weight = 1 / state.plan.grad_accum",
             "tinylm.py",
         ),
