@@ -307,8 +307,10 @@ def cleanup_distributed(world):
 
 
 # ====== 3. The loop: read this section first ======================================================
-# main(), train() and train_step() are the tutorials' loop, in torch's own names. after_step() says
-# what follows each step, and in which order. The state that the loop keeps comes before them.
+# main(), train() and train_step() are the tutorials' loop, in torch's own names. After each step,
+# train() runs the loss all_reduce, the progress record, rank 0's save of model.pt at the end, the
+# checkpoint, report(), the stop and the evaluation, in this order. Its comments say why. The state
+# that the loop keeps comes before them.
 
 
 @dataclasses.dataclass
@@ -434,53 +436,33 @@ def train(args, world):
             progress.lr = lr
             state.epoch_seconds = time.perf_counter() - epoch_started
             speed.add(step_sync.global_items)  # This counts the step's items on all ranks.
-            stops = after_step(args, world, state, step_sync, speed, grad_norm, log_now)
-            if stops:
+            periodic_save = args.save_every > 0 and step % args.save_every == 0
+            record_due = due_record_kind(args, state, step) is not None  # Then the step evaluates.
+            save_now = periodic_save or record_due or step_sync.should_stop
+            # A record and a save both need the losses of all ranks. A checkpoint holds their sums.
+            if log_now or save_now:
+                sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
+                check_finite(sums["loss"], state.raw_model, step)
+            if log_now:
+                record = progress_record(plan, progress, grad_norm, speed)
+                write_record(args, world, record, plan.total_steps)
+                progress.totals_since_log = Totals()
+            # model.pt comes before the final checkpoint, because a rerun takes a run with a final
+            # checkpoint as finished, and it trains no more.
+            if step == plan.total_steps and world.rank == 0:  # DDP: Only rank 0 writes.
+                save_weights(args, state)
+            # A step saves before it evaluates, so a kill during the evaluation loses no step.
+            if save_now:
+                save_checkpoint(args, world, state)
+            if log_now and world.rank == 0:  # report() gets the record after the save of its step.
+                report(record, args, state.raw_model)
+            if step_sync.should_stop and step < plan.total_steps:
                 step_sync.restore_signal_handlers()
                 log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
-                return EXIT_STOPPED
+                return EXIT_STOPPED  # The rerun runs the evaluation that the stop skipped.
+            evaluate_if_due(args, world, state)
     step_sync.restore_signal_handlers()
     return end_run(args, world, state)
-
-
-def after_step(args, world, state, step_sync, speed, grad_norm, log_now):
-    """All ranks do what follows a step, in this order. Return whether the run stops now. log_now
-    says whether the step writes a progress record.
-
-    1. All ranks add up their losses, where a record or a save needs them. A checkpoint holds the
-       totals of the losses, so a save needs them too.
-    2. Rank 0 writes the progress record.
-    3. At the last step, rank 0 writes model.pt. It comes before the final checkpoint, because a
-       rerun takes a run with a final checkpoint as finished, and it trains no more.
-    4. All ranks save the checkpoint. A step with an epoch or eval record saves before its
-       evaluation, so a stop or a kill during the evaluation loses no step.
-    5. Rank 0 gives the progress record to report(), after the save that holds its step.
-    6. A stop signal ends the run here. The rerun runs the evaluation that the stop skipped.
-    7. All ranks evaluate, and rank 0 writes the epoch or eval record."""
-    plan = state.plan
-    progress = state.progress
-    step = progress.step
-    periodic_save = args.save_every > 0 and step % args.save_every == 0
-    record_due = due_record_kind(args, state, step) is not None  # Then the step evaluates.
-    save_now = periodic_save or record_due or step_sync.should_stop
-    if log_now or save_now:
-        sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
-        check_finite(sums["loss"], state.raw_model, step)
-    record = None
-    if log_now:
-        record = progress_record(plan, progress, grad_norm, speed)
-        write_record(args, world, record, plan.total_steps)
-        progress.totals_since_log = Totals()
-    if step == plan.total_steps and world.rank == 0:  # DDP: Only rank 0 writes.
-        save_weights(args, state)
-    if save_now:
-        save_checkpoint(args, world, state)
-    if record and world.rank == 0:
-        report(record, args, state.raw_model)
-    if step_sync.should_stop and step < plan.total_steps:
-        return True
-    evaluate_if_due(args, world, state)
-    return False
 
 
 def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
@@ -1223,10 +1205,11 @@ class StepSync:
     def exchange(self, rank_items, stream_ended):
         """All ranks add up their signals, their counts of items and their ended streams."""
         numbers = [len(self.signals), rank_items, int(stream_ended)]
-        numbers = torch.tensor(numbers, dtype=torch.int64)
         if self.world.world_size > 1:
-            dist.all_reduce(numbers, group=self.world.gloo_group)  # DDP: This adds with SUM.
-        signals, global_items, ended_ranks = numbers.tolist()
+            sums = torch.tensor(numbers, dtype=torch.int64)
+            dist.all_reduce(sums, group=self.world.gloo_group)  # DDP: This adds with SUM.
+            numbers = sums.tolist()
+        signals, global_items, ended_ranks = numbers
         self.should_stop = signals > 0
         self.global_items = global_items
         self.stream_ended = ended_ranks > 0
