@@ -147,8 +147,8 @@ def compute_loss(model, batch, args):
     The loss is the MEAN over the batch's count_items(batch) items, as F.cross_entropy returns it.
     The metrics are a dict {name: mean over the same items}, and they are logged as train_<name>
     and eval_<name>. The names loss, samples and tokens are the script's own. The batch is already
-    on the device. In training, model is the DDP model, which is compiled with --compile, and its
-    forward must run so that DDP sees it. In evaluation, model is the raw module in eval mode. The
+    on the device. In training, model is the DDP model, or the model itself on one process, and
+    --compile compiles it. Its forward must run, so that DDP sees it. In evaluation, model is the raw module in eval mode. The
     args hold the flags, such as a flag of add_task_flags()."""
     inputs, targets = batch
     logits = model(inputs).float()
@@ -321,7 +321,7 @@ class Plan:
     grad_accum: int  # This counts the micro-batches of a step on each rank.
     steps_per_epoch: int  # Each step is a full global batch, so an epoch drops its partial end.
     total_steps: int
-    epochs: int  # This counts the epochs that the steps reach. --max-steps can end one in part.
+    epochs: int  # The run trains in this many epochs. --max-steps can cut the last one short.
     stream: bool  # The training set is an IterableDataset, a stream. Section 8 says what changes.
 
 
@@ -349,7 +349,8 @@ class Totals:
 @dataclasses.dataclass
 class SavedProgress:
     """The run's position, and the totals that its next records report. Every checkpoint saves it,
-    and a resume restores it."""
+    and a resume restores it. So a record after a resume reports the same means as a run that did
+    not stop."""
 
     step: int = 0  # This counts the optimizer steps done.
     lr: float = 0.0  # This is the last step's learning rate, which an epoch record reports.
@@ -437,8 +438,8 @@ def train(args, world):
             state.epoch_seconds = time.perf_counter() - epoch_started
             speed.add(step_sync.global_items)  # This counts the step's items on all ranks.
             periodic_save = args.save_every > 0 and step % args.save_every == 0
-            record_due = due_record_kind(args, state, step) is not None  # Then the step evaluates.
-            save_now = periodic_save or record_due or step_sync.should_stop
+            eval_due = due_record_kind(args, state, step) is not None  # evaluate_if_due() runs.
+            save_now = periodic_save or eval_due or step_sync.should_stop
             # A record and a save both need the losses of all ranks. A checkpoint holds their sums.
             if log_now or save_now:
                 sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
@@ -747,8 +748,9 @@ def resume_records(args, world, state):
 
     A step saves its checkpoint before it evaluates. So a stop or a crash can come after the save
     and before the step's epoch or eval record. If metrics.jsonl lacks the record, all ranks
-    evaluate now. If it holds the record, the checkpoint still predates it, so the plateau
-    schedules have not yet stepped with its eval loss, and they step now."""
+    evaluate now. If it holds the record, the evaluation ran, and then a ReduceLROnPlateau stepped
+    with its eval loss. The checkpoint was saved before that, so the restored plateau has not yet
+    stepped. It steps now with the eval loss of the record, as it did in the run that wrote it."""
     step = state.progress.step
     records_in_file = truncate_metrics_after(args, world, step)
     kind = due_record_kind(args, state, step)
@@ -986,12 +988,13 @@ def save_checkpoint(args, world, state):
 
 
 def copy_mapped_tensors(optimizers):
-    """Trap: On the CPU, an optimizer that a resume restored keeps tensors that read their values
-    from the checkpoint's file, because torch.load mapped the file. The next save deletes that file,
-    and a deleted file keeps its disk space while a process maps it. So before a save, each rank
-    copies those tensors into its own memory. On a GPU, the restored tensors are on the GPU, and
-    nothing is mapped. A mapped storage cannot be resized, because the file fixes its size, and an
-    optimizer's own tensors can. That is how this finds the mapped tensors."""
+    """Trap: read_checkpoint() maps the checkpoint's file into memory, so that the ranks of a node
+    share its pages and do not each hold a copy. On the CPU, an optimizer that a resume restored
+    keeps tensors that read their values from that file. The next save deletes the file, and a
+    deleted file keeps its disk space while a process maps it. So before a save, each rank copies
+    those tensors into its own memory. On a GPU, the restored tensors are on the GPU, and nothing
+    is mapped. torch cannot resize a mapped storage, because the file fixes its size, but it can
+    resize the optimizer's own tensors. That is how this finds the mapped tensors."""
     for optimizer in optimizers:
         for values in optimizer.state.values():
             for key, value in values.items():
