@@ -148,8 +148,8 @@ def compute_loss(model, batch, args):
     The metrics are a dict {name: mean over the same items}, and they are logged as train_<name>
     and eval_<name>. The names loss, samples and tokens are the script's own. The batch is already
     on the device. In training, model is the DDP model, or the model itself on one process, and
-    --compile compiles it. Its forward must run, so that DDP sees it. In evaluation, model is the raw module in eval mode. The
-    args hold the flags, such as a flag of add_task_flags()."""
+    --compile compiles it. Its forward must run, so that DDP sees it. In evaluation, model is the
+    raw module in eval mode. The args hold the flags, such as a flag of add_task_flags()."""
     inputs, targets = batch
     logits = model(inputs).float()
     loss = F.cross_entropy(logits, targets)
@@ -438,8 +438,9 @@ def train(args, world):
             state.epoch_seconds = time.perf_counter() - epoch_started
             speed.add(step_sync.global_items)  # This counts the step's items on all ranks.
             periodic_save = args.save_every > 0 and step % args.save_every == 0
-            eval_due = due_record_kind(args, state, step) is not None  # evaluate_if_due() runs.
-            save_now = periodic_save or eval_due or step_sync.should_stop
+            # After an epoch, or an --eval-every step, evaluate_if_due() below writes a record.
+            record_due = due_record_kind(args, state, step) is not None
+            save_now = periodic_save or record_due or step_sync.should_stop
             # A record and a save both need the losses of all ranks. A checkpoint holds their sums.
             if log_now or save_now:
                 sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
@@ -448,11 +449,11 @@ def train(args, world):
                 record = progress_record(plan, progress, grad_norm, speed)
                 write_record(args, world, record, plan.total_steps)
                 progress.totals_since_log = Totals()
-            # model.pt comes before the final checkpoint, because a rerun takes a run with a final
-            # checkpoint as finished, and it trains no more.
+            # model.pt comes before the final checkpoint. A kill between them leaves a run that the
+            # rerun finishes, and a rerun of a finished run writes model.pt again.
             if step == plan.total_steps and world.rank == 0:  # DDP: Only rank 0 writes.
                 save_weights(args, state)
-            # A step saves before it evaluates, so a kill during the evaluation loses no step.
+            # A step saves before its evaluation, so a kill during the evaluation loses no step.
             if save_now:
                 save_checkpoint(args, world, state)
             if log_now and world.rank == 0:  # report() gets the record after the save of its step.
@@ -572,8 +573,8 @@ def check_loss_output(output, count):
         if torch.is_tensor(loss):
             returned += f", a loss of shape {list(loss.shape)}: its mean"
         fail(
-            "compute_loss must return loss or (loss, {name: mean}), where loss is a 0-dim mean over "
-            f"the batch's count_items() items. It returned {returned}"
+            "compute_loss must return loss or (loss, {name: mean}), where loss is a 0-dim mean "
+            f"over the batch's count_items() items. It returned {returned}"
         )
     taken = RESERVED_METRICS.intersection(metrics)
     check(
@@ -1029,7 +1030,8 @@ def restore_checkpoint(args, world, stateful_parts, path, checkpoint):
         totals_since_log=Totals(**saved["totals_since_log"]),
     )
     log(
-        f"resumed from {path} at step {progress.step}, saved by {len(checkpoint['rng'])} process(es)"
+        f"resumed from {path} at step {progress.step}, "
+        f"saved by {len(checkpoint['rng'])} process(es)"
     )
     changed = []
     for name, value in vars(args).items():
@@ -1422,8 +1424,9 @@ def make_train_loader(args, world, train_set, plan):
     A stream, an IterableDataset, has neither. It gives each rank its own items, and it may ask
     torch.distributed for the rank. It has no length, so its run is one epoch of --max-steps steps.
     The step sync runs before each forward, and all ranks stop with one line when a rank's stream
-    runs out. Each checkpoint holds every rank's stream.state_dict(), so a resume needs the same world size.
-    A stream needs --workers 0, because each worker would hold a copy that no checkpoint can read."""
+    runs out. Each checkpoint holds every rank's stream.state_dict(), so a resume needs the same
+    world size. A stream needs --workers 0, because each worker would hold a copy that no
+    checkpoint can read."""
     options = loader_options(args, world, args.workers, training=True)
     if plan.stream:
         # The stream gives this rank its own items. drop_last keeps every batch whole, so a step
@@ -1704,8 +1707,8 @@ def one_line(exc):
 
 
 # ====== 11. Workarounds for torch =================================================================
-# Each of these works around a behaviour of some torch versions. Each names the versions and the
-# test that guards it, so that a copy for a newer torch may delete it.
+# Each of these works around a behaviour of some torch versions. Each names the versions that need
+# it and the test that guards it. A copy may delete one only for the versions that do not need it.
 
 # Trap: Keep this import, although nothing here uses it. It prevents an abort at exit. The functions
 # of torch.distributed.nn.functional have the default argument group=group.WORLD, and Python
