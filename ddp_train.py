@@ -479,6 +479,7 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
     # before the first forward. The same all-reduce tells every rank whether to stop.
     step_sync.exchange(sum(counts), stream_ended)
     check_step_sync(step_sync, state)
+    global_items = max(1, step_sync.global_items)  # A step of 0 tokens gets weight 0, not 0 / 0.
     for i, (batch, count) in enumerate(zip(batches, counts)):
         batch = to_device(batch, world.device)
         # DDP: no_sync skips the gradient all-reduce. Only the last micro-batch's backward runs it.
@@ -497,7 +498,6 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
             # mean over all the items of the step. When every batch holds the same count, the
             # weight is 1 / grad_accum, as in nanoGPT's loss / gradient_accumulation_steps. fp16's
             # scaler scales a mean, never a sum.
-            global_items = max(1, step_sync.global_items)  # A step of 0 tokens gets weight 0.
             weight = count * world.world_size / global_items
             state.scaler.scale(loss * weight).backward()
     grad_norm = None
