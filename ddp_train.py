@@ -148,8 +148,9 @@ def compute_loss(model, batch, args):
     The metrics are a dict {name: mean over the same items}, and they are logged as train_<name>
     and eval_<name>. The names loss, samples and tokens are the script's own. The batch is already
     on the device. In training, model is the DDP model, or the model itself on one process, and
-    --compile compiles it. Its forward must run, so that DDP sees it. In evaluation, model is the
-    raw module in eval mode. The args hold the flags, such as a flag of add_task_flags()."""
+    --compile compiles it. Call model(...), not model.module(...), so that DDP's forward runs. In
+    evaluation, model is the raw module in eval mode. The args hold the flags, such as a flag of
+    add_task_flags()."""
     inputs, targets = batch
     logits = model(inputs).float()
     loss = F.cross_entropy(logits, targets)
@@ -363,8 +364,8 @@ class SavedProgress:
 @dataclasses.dataclass
 class TrainState:
     """Everything that training holds. setup_training() makes it. Then only the loop changes it,
-    and the functions that the loop calls: train_step(), all_reduce_losses() and evaluate_if_due(),
-    which steps a ReduceLROnPlateau."""
+    and the functions that the loop calls: train_step(), all_reduce_losses(), and
+    evaluate_and_record(), which steps a ReduceLROnPlateau."""
 
     plan: Plan
     progress: SavedProgress
@@ -438,9 +439,9 @@ def train(args, world):
             state.epoch_seconds = time.perf_counter() - epoch_started
             speed.add(step_sync.global_items)  # This counts the step's items on all ranks.
             periodic_save = args.save_every > 0 and step % args.save_every == 0
-            # After an epoch, or an --eval-every step, evaluate_if_due() below writes a record.
-            record_due = due_record_kind(args, state, step) is not None
-            save_now = periodic_save or record_due or step_sync.should_stop
+            # After an epoch, or an --eval-every step, evaluate_and_record() below writes a record.
+            record_kind = due_record_kind(args, state, step)
+            save_now = periodic_save or record_kind is not None or step_sync.should_stop
             # A record and a save both need the losses of all ranks. A checkpoint holds their sums.
             if log_now or save_now:
                 sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
@@ -462,7 +463,8 @@ def train(args, world):
                 step_sync.restore_signal_handlers()
                 log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
                 return EXIT_STOPPED  # The rerun runs the evaluation that the stop skipped.
-            evaluate_if_due(args, world, state)
+            if record_kind is not None:
+                evaluate_and_record(args, world, state, record_kind)
     step_sync.restore_signal_handlers()
     return end_run(args, world, state)
 
@@ -719,15 +721,12 @@ def due_record_kind(args, state, step):
     return None
 
 
-def evaluate_if_due(args, world, state):
-    """If the last step is due for a record, as due_record_kind() says, all ranks evaluate, and
-    rank 0 writes the epoch or eval record and gives it to report(). An epoch record evaluates too,
-    so no eval record comes beside it. A ReduceLROnPlateau steps with the record's eval loss."""
+def evaluate_and_record(args, world, state, kind):
+    """All ranks evaluate, and rank 0 writes the record of the last step, of the kind that
+    due_record_kind() gave, and gives it to report(). An epoch record evaluates too, so no eval
+    record comes beside it. A ReduceLROnPlateau steps with the record's eval loss."""
     plan = state.plan
     step = state.progress.step
-    kind = due_record_kind(args, state, step)
-    if kind is None:
-        return
     record = {"kind": kind, "step": step, "epoch": math.ceil(step / plan.steps_per_epoch)}
     if kind == "epoch":
         record.update(epoch_metrics(world, state))
@@ -747,11 +746,11 @@ def resume_records(args, world, state):
     step are deleted, because the run writes them again. A new run starts at step 0, with no
     records.
 
-    A step saves its checkpoint before it evaluates. So a stop or a crash can come after the save
-    and before the step's epoch or eval record. If metrics.jsonl lacks the record, all ranks
-    evaluate now. If it holds the record, the evaluation ran, and then a ReduceLROnPlateau stepped
-    with its eval loss. The checkpoint was saved before that, so the restored plateau has not yet
-    stepped. It steps now with the eval loss of the record, as it did in the run that wrote it."""
+    A step saves its checkpoint before it evaluates. For example, step 100 saves, evaluates,
+    writes its eval record, and steps a ReduceLROnPlateau with that eval loss. If the run stopped
+    before the record, metrics.jsonl lacks it, and all ranks evaluate step 100 now. If it stopped
+    after the record, the plateau that the checkpoint restored has not seen that eval loss
+    yet. So it steps now with the eval loss of the record, as it did in the run that wrote it."""
     step = state.progress.step
     records_in_file = truncate_metrics_after(args, world, step)
     kind = due_record_kind(args, state, step)
@@ -760,7 +759,7 @@ def resume_records(args, world, state):
     if kind in records_in_file:
         step_plateaus(state, records_in_file[kind])
     else:
-        evaluate_if_due(args, world, state)
+        evaluate_and_record(args, world, state, kind)
 
 
 def step_plateaus(state, record):
@@ -994,8 +993,8 @@ def copy_mapped_tensors(optimizers):
     keeps tensors that read their values from that file. The next save deletes the file, and a
     deleted file keeps its disk space while a process maps it. So before a save, each rank copies
     those tensors into its own memory. On a GPU, the restored tensors are on the GPU, and nothing
-    is mapped. torch cannot resize a mapped storage, because the file fixes its size, but it can
-    resize the optimizer's own tensors. That is how this finds the mapped tensors."""
+    is mapped. A storage that maps a file has the file's size, so torch cannot resize it. A storage
+    in the process's own memory can be resized. So `not resizable()` finds the mapped tensors."""
     for optimizer in optimizers:
         for values in optimizer.state.values():
             for key, value in values.items():
