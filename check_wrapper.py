@@ -402,6 +402,7 @@ def install(target):
     if NEUTRAL:
         switch_off_dropout()
         switch_off_autocast()
+        switch_off_clipping()
     # Plain SGD at the check's rate times CHECK_SGD lets the scale of a gradient show.
     if "CHECK_SGD" in env:
 
@@ -578,18 +579,35 @@ def switch_off_rnn_dropout(model):
 
 
 def switch_off_autocast():
-    """Make torch.autocast a context that does nothing, so that check 2's launches compute in
-    float32 where the user's flags ask for bf16 or fp16. The file autocast.RANK tells the check
+    """Make every autocast a context that does nothing, so that check 2's launches compute in
+    float32 where the user's flags ask for bf16 or fp16. The change is made on torch's autocast
+    class. So it also reaches a name that the copy imported before the wrapper ran, as in `from
+    torch import autocast`, and torch.cuda.amp.autocast. The file autocast.RANK tells the check
     that the script asked for an autocast."""
-    original = torch.autocast
+    autocast_class = torch.amp.autocast_mode.autocast
+    original_init = autocast_class.__init__
 
-    def no_autocast(device_type, dtype=None, enabled=True, cache_enabled=None):
+    def init_switched_off(self, device_type, dtype=None, enabled=True, cache_enabled=None):
         if enabled:
             record(f"autocast.{RANK}", str(dtype))
-        return original(device_type, enabled=False)
+        original_init(self, device_type, enabled=False)
 
-    torch.autocast = no_autocast
-    torch.amp.autocast = no_autocast
+    autocast_class.__init__ = init_switched_off
+
+
+def switch_off_clipping():
+    """Make torch's clip_grad_norm_ measure the norm and clip nothing. A clipped update has the
+    same size whatever the scale of the gradient, so clipping would hide a loss that is divided
+    twice. The file clipping.RANK tells the check that the script clipped."""
+    original = torch.nn.utils.clip_grad_norm_
+
+    def measure_only(parameters, max_norm, *args, **kwargs):
+        if max_norm != math.inf:
+            record(f"clipping.{RANK}", str(max_norm))
+        return original(parameters, math.inf, *args, **kwargs)
+
+    torch.nn.utils.clip_grad_norm_ = measure_only
+    torch.nn.utils.clip_grad.clip_grad_norm_ = measure_only
 
 
 def batch_norms(model):

@@ -2222,6 +2222,17 @@ ddp_train.build_datasets, ddp_train.build_model = build_datasets, build_model
 COPY_ARGS = {"resnet-workers": ["--workers", 2], "bf16": ["--amp", "bf16"]}
 COPY_ARGS["double-accum-bf16"] = ["--amp", "bf16"]
 BROKEN_COPIES["double-accum-bf16"] = BROKEN_COPIES["double-accum"]
+# A clipped update has the same size whatever the gradient's scale. So check 2 switches clipping off,
+# and it still finds the loss that is divided twice.
+COPY_ARGS["double-accum-clipped"] = ["--clip-grad-norm", 1]
+BROKEN_COPIES["double-accum-clipped"] = BROKEN_COPIES["double-accum"]
+# The Dataset draws in DataLoader workers, so the resume is not bit-identical. The check must still
+# compare the ranks' parts, and find the EMA that only rank 0 updates.
+COPY_ARGS["resnet-ema-on-rank-0"] = ["--workers", 2]
+BROKEN_COPIES["resnet-ema-on-rank-0"] = (
+    {5: "EMA that only rank 0 updates"},
+    RESNET + BROKEN_COPIES["ema-on-rank-0"][1],
+)
 # These correct copies differ from the default task by design, and the check passes them. A correct
 # copy runs the checks that it is about, or all of them where none are named. The shipped tasks
 # cover BatchNorm and dropout in every check, because digits has both and tinylm has dropout.
@@ -2313,7 +2324,17 @@ ddp_train.build_datasets, ddp_train.build_model = build_datasets, build_model
     "resnet": ((2,), RESNET),
     "resnet-workers": ((), RESNET),
     "noisy-loss": ((), NOISY_LOSS),
-    "bf16": ((), ""),
+    # This copy builds its autocast from a name that it imported before the check's wrapper ran.
+    # Check 2 must switch that autocast off too.
+    "bf16": (
+        (),
+        """
+from torch import autocast
+def make_autocast(args, device):
+    return autocast(device.type, torch.bfloat16)
+ddp_train.make_autocast = make_autocast
+""",
+    ),
     # The dropout between an LSTM's layers is an attribute of the module.
     "lstm-dropout": (
         (2,),
