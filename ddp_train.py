@@ -56,8 +56,8 @@ except ImportError:
 
 PROG = os.path.basename(sys.argv[0])  # The messages name the script that runs, such as mine.py.
 # These signals make the run save and exit with EXIT_STOPPED. Schedulers send them to preempt a
-# job (torchrun, SLURM and Kubernetes do), and Ctrl-C sends SIGINT.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# job (torchrun, SLURM and Kubernetes do), Ctrl-C sends SIGINT, and a closed terminal sends SIGHUP.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 # A stopped run exits with 75, which is EX_TEMPFAIL in sysexits.h: "try again later". A job script
 # can requeue the job when it sees this code.
 EXIT_STOPPED = 75
@@ -102,7 +102,8 @@ def build_datasets(args):
     rank builds the same ones. The eval_set may be None or empty, and then nothing is evaluated.
     The train_set may be a stream instead, as make_train_loader() says and examples/stream.py
     shows. args.rank and args.local_rank say where this process is. So the local rank 0 of each
-    node can download the data, while the other ranks wait at a dist.barrier()."""
+    node can download the data, while the other ranks wait for its files, as the README's cached.py
+    shows. Trap: Do not wait at a dist.barrier() here, because the DataLoader workers fork later."""
     check(args.num_samples >= 0, f"--num-samples is {args.num_samples}: it is at least 0")
     check(args.eval_samples >= 0, f"--eval-samples is {args.eval_samples}: it is at least 0")
     generator = torch.Generator().manual_seed(args.seed)
@@ -1190,8 +1191,8 @@ class StepSync:
     whether their streams have ended. So every rank knows the step's count of items over all ranks,
     which the weight of the backward needs, and all ranks stop after the same step.
 
-    Preemption sends SIGTERM or SIGUSR1, and Ctrl-C sends SIGINT. Trap: The handler only notes the
-    signal, because a collective inside a handler deadlocks."""
+    Preemption sends SIGTERM or SIGUSR1, Ctrl-C sends SIGINT, and a closed terminal sends SIGHUP.
+    Trap: The handler only notes the signal, because a collective inside a handler deadlocks."""
 
     def __init__(self, world):
         self.world = world
@@ -1199,9 +1200,7 @@ class StepSync:
         self.should_stop = False  # This says whether any rank got a stop signal.
         self.stream_ended = False  # This says whether any rank's stream ran out in this step.
         self.global_items = 0  # This counts the step's items over all ranks.
-        self.previous_handlers = {}
-        for sig in STOP_SIGNALS:
-            self.previous_handlers[sig] = signal.signal(sig, self.on_signal)
+        self.previous_handlers = handle_stop_signals(self.on_signal)
 
     def on_signal(self, signum, frame):
         self.signals.append(signum)
@@ -1221,6 +1220,17 @@ class StepSync:
     def restore_signal_handlers(self):
         for sig, handler in self.previous_handlers.items():
             signal.signal(sig, handler)
+
+
+def handle_stop_signals(handler):
+    """Install the handler for each stop signal, and return the handlers that it replaced."""
+    previous_handlers = {}
+    for sig in STOP_SIGNALS:
+        # Trap: nohup ignores SIGHUP, so that the run outlives its terminal. That choice stays.
+        if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+            continue
+        previous_handlers[sig] = signal.signal(sig, handler)
+    return previous_handlers
 
 
 def ignore_signals(worker_id):
@@ -1411,8 +1421,8 @@ def loader_options(args, world, workers, training):
         worker_init_fn=ignore_signals,  # Trap: ignore_signals() says why.
         persistent_workers=workers > 0,
         pin_memory=world.device.type == "cuda",
-        # Trap: Each rank needs a generator of its own. Otherwise the workers' seeds come from the
-        # global generator, which is the same on every rank, and the ranks augment alike.
+        # Trap: Each loader needs a generator of its own. Otherwise iter() draws the workers' seeds
+        # from the global generator, and that draw shifts the numbers that the model draws later.
         generator=torch.Generator().manual_seed(rank_seed(args, world)),
     )
 
@@ -1491,7 +1501,8 @@ def spawn(processes, argv):
     """--spawn N starts N processes of this script on this machine, as torchrun --standalone does.
 
     This process hosts their store on a free port, and it passes the stop signals on to them. It
-    returns 0, or 75 where they stopped and saved, or the exit code of the first that failed."""
+    returns 0, or 75 where they stopped and saved. Where one fails, it kills the others, and it
+    returns the exit code of the first that failed."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     main_spec = sys.modules["__main__"].__spec__  # `python -m pkg.train` runs that module again.
     script = ["-m", main_spec.name] if main_spec else [sys.argv[0]]
@@ -1513,19 +1524,32 @@ def spawn(processes, argv):
         for worker in workers:
             worker.send_signal(signum)
 
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, pass_on)
+    handle_stop_signals(pass_on)
     for rank in range(processes):
         rank_env = env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
         workers.append(subprocess.Popen(command, env=rank_env))
-    codes = [worker.wait() for worker in workers]
-    for code in codes:
-        if code != 0:
-            # A worker that a signal N killed returns -N, and a shell writes that as 128 + N.
-            if code < 0:
-                return 128 - code
-            return code
-    return 0
+    return wait_for_workers(workers)
+
+
+def wait_for_workers(workers):
+    """Wait for the workers of --spawn, and return their exit code as spawn() says."""
+    codes = {}  # This maps each worker that has ended to its exit code, in the order of their ends.
+    while len(codes) < len(workers):
+        time.sleep(0.1)
+        for worker in workers:
+            if worker not in codes and worker.poll() is not None:
+                codes[worker] = worker.returncode
+        # Trap: A failed worker leaves the others waiting for it until --timeout, as in a
+        # collective. So the first failure kills the others, as torchrun does.
+        if any(code not in (0, EXIT_STOPPED) for code in codes.values()):
+            for worker in workers:
+                if worker not in codes:
+                    worker.kill()
+    failures = [code for code in codes.values() if code not in (0, EXIT_STOPPED)]
+    if failures:
+        # A worker that a signal N killed returns -N, and a shell writes that as 128 + N.
+        return 128 - failures[0] if failures[0] < 0 else failures[0]
+    return EXIT_STOPPED if EXIT_STOPPED in codes.values() else 0
 
 
 def round_store(timeout):

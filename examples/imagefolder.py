@@ -33,6 +33,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 import torch
 import torch.nn as nn
@@ -130,8 +131,8 @@ class ImageFiles(Dataset):
 
 def make_synthetic_data(root, seed, classes=10, train_per_class=48, val_per_class=12):
     """Write a small folder of 16x16 images. Each class has a colour of its own, and each image
-    adds noise to it. Each process writes a folder of its own and then moves it to root. The
-    folders are the same, and the first one to arrive is kept."""
+    adds noise to it. Two runs, or two nodes, may make it at once. So each process writes a folder
+    of its own and then moves it to root. The folders are the same, and the first one is kept."""
     generator = torch.Generator().manual_seed(seed)
     colours = torch.rand(classes, 3, 1, 1, generator=generator)
     os.makedirs(os.path.dirname(root), exist_ok=True)
@@ -152,10 +153,12 @@ def make_synthetic_data(root, seed, classes=10, train_per_class=48, val_per_clas
 
 
 def build_datasets(args):
-    # The small folder takes a second to make, so each process makes it where it is missing. For a
-    # download, the README's cached.py shows how the local rank 0 of each node makes it once.
-    if args.data == SYNTHETIC_DATA and not os.path.isdir(args.data):
+    # The local rank 0 of each node makes the small folder where it is missing, as the README's
+    # cached.py makes its data. The other ranks of the node wait for it.
+    if args.data == SYNTHETIC_DATA and args.local_rank == 0 and not os.path.isdir(args.data):
         make_synthetic_data(args.data, seed=1234)
+    while args.data == SYNTHETIC_DATA and not os.path.isdir(args.data):
+        time.sleep(0.1)
     train_set = ImageFiles(os.path.join(args.data, "train"), augment=True)
     eval_set = ImageFiles(os.path.join(args.data, "val"), augment=False)
     ddp_train.check(train_set.classes == eval_set.classes, "train/ and val/ have other classes")
