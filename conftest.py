@@ -300,15 +300,15 @@ if "waitjoin" in variant:
     ddp_train.StepSync.on_signal = on_signal
 
 
-def exchange(step_sync, rank_items, stream_ended):  # (evalafterstop: notes the agreed stop)
+def finish(step_sync):  # (evalafterstop: notes the agreed stop)
     global stop_agreed
-    exchange_of_the_script(step_sync, rank_items, stream_ended)
+    finish_of_the_script(step_sync)
     stop_agreed = stop_agreed or step_sync.should_stop
 
 
-exchange_of_the_script = ddp_train.StepSync.exchange
+finish_of_the_script = ddp_train.StepSync.finish
 if "evalafterstop" in variant:
-    ddp_train.StepSync.exchange = exchange
+    ddp_train.StepSync.finish = finish
 
 
 class Sometimes(nn.Module):

@@ -478,11 +478,16 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
     step is the last of its epoch."""
     counts = [count_items(batch) for batch in batches]  # They are counted on the CPU.
     stream_ended = len(batches) < state.plan.grad_accum  # Only a stream ends inside an epoch.
-    # DDP: The weight of the backward needs the count of all ranks, so the ranks add up their counts
-    # before the first forward. The same all-reduce tells every rank whether to stop.
-    step_sync.exchange(sum(counts), stream_ended)
-    check_step_sync(step_sync, state)
-    global_items = max(1, step_sync.global_items)  # A step of 0 tokens gets weight 0, not 0 / 0.
+    step_sync.start(sum(counts), stream_ended)
+    # DDP: The weight of the backward needs the count of all ranks. The plan knows it for samples,
+    # so the step sync runs beside the step. A count of tokens, or a stream that can end, needs
+    # the sum of all ranks before the first forward.
+    if COUNT_UNIT == "samples" and not state.plan.stream:
+        global_items = state.plan.global_batch
+    else:
+        step_sync.finish()
+        check_step_sync(step_sync, state)
+        global_items = max(1, step_sync.global_items)  # A step of 0 tokens gets weight 0, not 0/0.
     for i, (batch, count) in enumerate(zip(batches, counts)):
         batch = to_device(batch, world.device)
         # DDP: no_sync skips the gradient all-reduce. Only the last micro-batch's backward runs it.
@@ -503,6 +508,8 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
             # scaler scales a mean, never a sum.
             weight = count * world.world_size / global_items
             state.scaler.scale(loss * weight).backward()
+    step_sync.finish()  # This waits only where the sums have not arrived yet.
+    check_step_sync(step_sync, state)
     grad_norm = None
     if args.clip_grad_norm or log_now:
         for optimizer in state.optimizers:
@@ -553,8 +560,9 @@ def steps_now(scheduler, epoch_ends):
 
 # ====== 4. Exact means ============================================================================
 # The gradient and the logged figures are exact means over all the items of a step. Each rank
-# counts its items on the CPU before the forward, and the step sync adds up the counts of all ranks.
-# Each micro-batch's mean is then multiplied by its count over the step's count. The test
+# counts its items on the CPU before the forward. The plan knows a step's count of samples, and for
+# tokens the step sync adds up the counts of all ranks first. Each micro-batch's mean is then
+# multiplied by its count over the step's count. The test
 # test_n_processes_x_b_with_accumulation_equal_one_process_x_n_times_b proves it.
 
 
@@ -1186,10 +1194,11 @@ def set_rng_state(state):
 
 
 class StepSync:
-    """At every step, before the first forward, all ranks add up three numbers in one all-reduce
-    over gloo. These are the stop signals that they got, their counts of the step's items, and
-    whether their streams have ended. So every rank knows the step's count of items over all ranks,
-    which the weight of the backward needs, and all ranks stop after the same step.
+    """At every step, all ranks add up three numbers in one all-reduce over gloo. These are the
+    stop signals that they got, their counts of the step's items, and whether their streams have
+    ended. So every rank knows the step's count of items over all ranks, and all ranks stop after
+    the same step. start() sends the numbers before the first forward, and finish() waits for the
+    sums. A step of samples calls finish() after its backward, so that it does not wait.
 
     Preemption sends SIGTERM or SIGUSR1, Ctrl-C sends SIGINT, and a closed terminal sends SIGHUP.
     Trap: The handler only notes the signal, because a collective inside a handler deadlocks."""
@@ -1200,19 +1209,31 @@ class StepSync:
         self.should_stop = False  # This says whether any rank got a stop signal.
         self.stream_ended = False  # This says whether any rank's stream ran out in this step.
         self.global_items = 0  # This counts the step's items over all ranks.
+        self.numbers = None  # These are the numbers that start() sent, and finish() sums them.
+        self.reduction = None  # This is the all-reduce in flight between start() and finish().
         self.previous_handlers = handle_stop_signals(self.on_signal)
 
     def on_signal(self, signum, frame):
         self.signals.append(signum)
 
-    def exchange(self, rank_items, stream_ended):
-        """All ranks add up their signals, their counts of items and their ended streams."""
-        numbers = [len(self.signals), rank_items, int(stream_ended)]
+    def start(self, rank_items, stream_ended):
+        """Send this rank's signals, its count of items and whether its stream has ended."""
+        self.numbers = torch.tensor([len(self.signals), rank_items, int(stream_ended)])
         if self.world.world_size > 1:
-            sums = torch.tensor(numbers, dtype=torch.int64)
-            dist.all_reduce(sums, group=self.world.gloo_group)  # DDP: This adds with SUM.
-            numbers = sums.tolist()
-        signals, global_items, ended_ranks = numbers
+            # DDP: This adds with SUM, and it runs while the step computes.
+            self.reduction = dist.all_reduce(
+                self.numbers, group=self.world.gloo_group, async_op=True
+            )
+
+    def finish(self):
+        """Wait for the sums of all ranks, once in each step."""
+        if self.numbers is None:
+            return
+        if self.reduction is not None:
+            self.reduction.wait()
+            self.reduction = None  # Trap: A finished all-reduce holds the group until it is freed.
+        signals, global_items, ended_ranks = self.numbers.tolist()
+        self.numbers = None
         self.should_stop = signals > 0
         self.global_items = global_items
         self.stream_ended = ended_ranks > 0
@@ -1432,9 +1453,9 @@ def make_train_loader(args, world, train_set, plan):
 
     A stream, an IterableDataset, has neither. It gives each rank its own items, and it may ask
     torch.distributed for the rank. It has no length, so its run is one epoch of --max-steps steps.
-    The step sync runs before each forward, and all ranks stop with one line when a rank's stream
-    runs out. Each checkpoint holds every rank's stream.state_dict(), so a resume needs the same
-    world size. A stream needs --workers 0, because each worker would hold a copy that no
+    The step sync finishes before each forward, and all ranks stop with one line when a rank's
+    stream runs out. Each checkpoint holds every rank's stream.state_dict(), so a resume needs the
+    same world size. A stream needs --workers 0, because each worker would hold a copy that no
     checkpoint can read."""
     options = loader_options(args, world, args.workers, training=True)
     if plan.stream:
