@@ -151,7 +151,9 @@ def compute_loss(model, batch, args):
     on the device. In training, model is the DDP model, or the model itself on one process, and
     --compile compiles it. Call model(...), not model.module(...), so that DDP's forward runs. In
     evaluation, model is the raw module in eval mode. The args hold the flags, such as a flag of
-    add_task_flags()."""
+    add_task_flags(). Trap: A micro-batch of padding holds no items, and its backward must still be
+    finite. F.cross_entropy with ignore_index is, and a masked mean must divide by the count of
+    the mask clamped to at least 1."""
     inputs, targets = batch
     logits = model(inputs).float()
     loss = F.cross_entropy(logits, targets)
@@ -172,8 +174,9 @@ def build_optimizer(args, model, plan):
     """Return one optimizer, or a list of them.
 
     The plan holds global_batch, steps_per_epoch and total_steps. A resume on another world size
-    keeps the global batch, so a rate that scales with it stays the same. The default is nanoGPT's
-    AdamW. It decays only the matrices and embeddings, and one fused kernel updates every weight."""
+    keeps the global batch, so a rate that scales with it stays the same. The default is AdamW with
+    torch's betas. As in nanoGPT, it decays only the matrices and embeddings, and one fused kernel
+    updates every weight."""
     params = list(model.parameters())
     decayed = [p for p in params if p.dim() >= 2]
     not_decayed = [p for p in params if p.dim() < 2]
@@ -574,7 +577,7 @@ def check_loss_output(output, count):
     """Check what compute_loss returned, and return it as (loss, metrics).
 
     A mean over no items is 0/0, which is NaN. Its weight is 0, and here it becomes 0, so that NaN
-    never reaches a sum or a gradient."""
+    never reaches a sum. compute_loss() says why its backward must be finite too."""
     if isinstance(output, tuple) and len(output) == 2:
         loss, metrics = output
     else:
@@ -1231,7 +1234,9 @@ class StepSync:
             return
         if self.reduction is not None:
             self.reduction.wait()
-            self.reduction = None  # Trap: A finished all-reduce holds the group until it is freed.
+            # Trap: A finished all-reduce that stays referenced holds the gloo group. Before torch
+            # 2.8, a group that is freed late, at exit, can hang the process.
+            self.reduction = None
         signals, global_items, ended_ranks = self.numbers.tolist()
         self.numbers = None
         self.should_stop = signals > 0
