@@ -476,7 +476,7 @@ LAUNCHES = {
     # rate. They run the user's loop and loss, with BatchNorm, dropout, autocast and the Dataset's
     # draws neutralised. Check 3 recomputes the first step of the launch of 2 processes.
     "single": Planned("python", 2, 1, "single", NEUTRAL_SGD | {"CHECK_DESCRIBE": 1}),
-    "pair": Planned("spawn", 1, 1, "pair", NEUTRAL_SGD | {"CHECK_INITIAL": 1}),
+    "pair": Planned("spawn", 1, 1, "pair", NEUTRAL_SGD | {"CHECK_INITIAL": 1, "CHECK_STEP_ONE": 1}),
     "accum": Planned("python", 1, 2, "accum", NEUTRAL_SGD),
     "grad_x2": Planned("python", 2, 1, "grad_x2", NEUTRAL_SGD | {"CHECK_SGD": 2}),
     # The resumed launch runs the same command as the stopped launch.
@@ -935,14 +935,16 @@ def check_mean(c: CopyCheck) -> Verdict:
                 "per-sample means?): return the mean over all the items its count counts"
             )
     own_draws = c.data("torchrun", 0)["train"]["own_draws"]
+    not_recomputed = ""  # This says why step 1 cannot be recomputed item by item.
     if n["random"]:
         call = f" ({n['random_call']})" if n["random_call"] else ""
-        figures.append(f"step 1 not recomputed: training draws random numbers{call}")
+        not_recomputed = f"training draws random numbers{call}"
     elif p["collate_mixes"] or own_draws:
-        what = "collate_fn mixes the items" if p["collate_mixes"] else "the Dataset draws its own"
-        figures.append(f"step 1 not recomputed: {what}")
+        not_recomputed = (
+            "collate_fn mixes the items" if p["collate_mixes"] else "the Dataset draws its own"
+        )
     elif check_same_data(c).status == "FAIL":
-        figures.append("step 1 not recomputed: the ranks' data differ (see 4)")
+        not_recomputed = "the ranks' data differ (see 4)"
     else:
         # Check 2's launch of 2 processes trained with dropout off and each item read alone.
         checked += 1
@@ -959,6 +961,27 @@ def check_mean(c: CopyCheck) -> Verdict:
                 "all_reduce left out? a mean of per-sample means? padding in the mean? a count of "
                 "other items?)"
             )
+    if not_recomputed:
+        figures.append(f"step 1 not recomputed item by item: {not_recomputed}")
+        # The losses that the ranks computed in step 1 give its logged loss, whatever they drew.
+        ranks_losses = [
+            json.loads(line) for r in range(2) for line in c.lines("pair", f"step_one.{r}")
+        ]
+        counted = [(loss, count) for loss, count in ranks_losses if count > 0]
+        if counted:
+            checked += 1
+            logged = c.results["pair"].records("progress")[0]["train_loss"]
+            mean = sum(loss * count for loss, count in counted) / sum(count for _, count in counted)
+            gap = relative(logged, mean)
+            figures.append(
+                f"step 1 of 2 x {c.b}: logged {logged:.7g}, the count-weighted mean of the losses "
+                f"that the ranks computed {mean:.7g} (relative gap {gap:.1e})"
+            )
+            if gap > TOLERANCE:
+                causes.append(
+                    "the logged loss is not the mean over the items of the step on all ranks (a "
+                    "loss all_reduce left out?)"
+                )
     # single evaluated its final weights with autocast off, and the probe recomputes that.
     evals = [record for record in c.results["single"].metrics if "eval_loss" in record]
     if p["eval_random"]:

@@ -383,7 +383,15 @@ def install(target):
             first_run = env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
             if RANK == "0" and first_run and training_calls[0] == int(env.get("CHECK_STOP_AT", 0)):
                 stop_torchrun()
-        return call_task(task["compute_loss"], model, batch, *args or [None])
+        output = call_task(task["compute_loss"], model, batch, *args or [None])
+        # Check 3 compares step 1's logged loss with the mean of the losses that the ranks computed
+        # there, whatever they drew. This launch accumulates no micro-batches, so step 1 is the
+        # first call.
+        if model.training and training_calls[0] == 1 and "CHECK_STEP_ONE" in env:
+            loss = output[0] if isinstance(output, tuple) else output
+            count = task["count_items"](batch) if "count_items" in task else output[1]
+            record(f"step_one.{RANK}", json.dumps([float(loss), float(count)]))
+        return output
 
     def report(record_, args, model):
         record("records.jsonl", json.dumps(record_))

@@ -2127,6 +2127,16 @@ ddp_train.build_model = lambda args: Annealed(model_default(args))
             "tinylm.py",
         ),
     ),
+    # This runs imagefolder, whose mixup mixes the items of a batch, on the same ddp_train.py. Step 1
+    # cannot be recomputed item by item, but the ranks' own losses of step 1 still give its mean.
+    "no-loss-all-reduce-mixup": (
+        {3: "all_reduce left out"},
+        (
+            "        dist.all_reduce(values)  # DDP: Add up every rank's sums and counts.",
+            "        pass  # (no all_reduce)",
+            "imagefolder.py",
+        ),
+    ),
     # A report() that fails names its exception, and not torchrun's banner.
     "report-overflow": (
         {8: "OverflowError: math range error"},
@@ -2423,12 +2433,13 @@ ddp_train.build_model = build_model
 
 
 def write_copy(directory: Path, name: str, body: str | tuple) -> Path:
-    """Write a copy of a task in a project directory of its own, as NAME.py beside tinylm.py and
-    digits.py. A body of text imports ddp_train.py from the repository. A body of (line, new line)
+    """Write a copy of a task in a project directory of its own, as NAME.py beside the examples
+    tinylm.py, digits.py and imagefolder.py. A body of text imports ddp_train.py from the
+    repository. A body of (line, new line)
     is a copy of ddp_train.py itself, with that line of its loop edited. A third item names an
     example, which then runs on the edited copy as the project's ddp_train.py."""
     directory.mkdir()
-    for example in ("tinylm.py", "digits.py"):
+    for example in ("tinylm.py", "digits.py", "imagefolder.py"):
         shutil.copy(ROOT / "examples" / example, directory)
     script = directory / f"{name.replace('-', '_')}.py"
     if isinstance(body, tuple):
@@ -2497,7 +2508,6 @@ def test_make_check_passes_a_correct_copy_that_differs_by_design(tmp_path, copy)
         "batch-mixer-and-own-draws": {2: ["BatchCentre", "generators of its own"]},
         "noisy-loss": {
             2: ["draws random numbers in training (torch.randn in noisy_loss.py:", "other draws"],
-            3: ["step 1 not recomputed: training draws random numbers"],
             6: ["compute_loss draws random numbers in evaluation"],
         },
         "mixup-collate": {2: ["your collate_fn mixes the items of a batch"]},
