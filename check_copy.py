@@ -936,6 +936,7 @@ def check_mean(c: CopyCheck) -> Verdict:
             )
     own_draws = c.data("torchrun", 0)["train"]["own_draws"]
     not_recomputed = ""  # This says why step 1 cannot be recomputed item by item.
+    step_one = None  # This is step 1's loss as the check computes it, and how it computes it.
     if n["random"]:
         call = f" ({n['random_call']})" if n["random_call"] else ""
         not_recomputed = f"training draws random numbers{call}"
@@ -947,20 +948,8 @@ def check_mean(c: CopyCheck) -> Verdict:
         not_recomputed = "the ranks' data differ (see 4)"
     else:
         # Check 2's launch of 2 processes trained with dropout off and each item read alone.
-        checked += 1
-        logged, alone = c.results["pair"].records("progress")[0]["train_loss"], n["step_1"]
         how = "micro-batch by micro-batch" if n["mixing"] else "item by item"
-        gap = relative(logged, alone)
-        figures.append(
-            f"step 1 of 2 x {c.b}, neutral as in 2: logged {logged:.7g}, {how} in "
-            f"{n['precision']} {alone:.7g} (relative gap {gap:.1e})"
-        )
-        if gap > TOLERANCE:
-            causes.append(
-                "the logged loss is not the mean over the items of the step on all ranks (a loss "
-                "all_reduce left out? a mean of per-sample means? padding in the mean? a count of "
-                "other items?)"
-            )
+        step_one = (n["step_1"], f"neutral as in 2, {how} in {n['precision']}")
     if not_recomputed:
         figures.append(f"step 1 not recomputed item by item: {not_recomputed}")
         # The losses that the ranks computed in step 1 give its logged loss, whatever they drew.
@@ -969,19 +958,23 @@ def check_mean(c: CopyCheck) -> Verdict:
         ]
         counted = [(loss, count) for loss, count in ranks_losses if count > 0]
         if counted:
-            checked += 1
-            logged = c.results["pair"].records("progress")[0]["train_loss"]
             mean = sum(loss * count for loss, count in counted) / sum(count for _, count in counted)
-            gap = relative(logged, mean)
-            figures.append(
-                f"step 1 of 2 x {c.b}: logged {logged:.7g}, the count-weighted mean of the losses "
-                f"that the ranks computed {mean:.7g} (relative gap {gap:.1e})"
+            step_one = (mean, "the count-weighted mean of the losses that the ranks computed")
+    if step_one is not None:
+        checked += 1
+        logged = c.results["pair"].records("progress")[0]["train_loss"]
+        computed, how = step_one
+        gap = relative(logged, computed)
+        figures.append(
+            f"step 1 of 2 x {c.b}: logged {logged:.7g}, {how} {computed:.7g} (relative gap "
+            f"{gap:.1e})"
+        )
+        if gap > TOLERANCE:
+            causes.append(
+                "the logged loss is not the mean over the items of the step on all ranks (a loss "
+                "all_reduce left out? a mean of per-sample means? padding in the mean? a count of "
+                "other items?)"
             )
-            if gap > TOLERANCE:
-                causes.append(
-                    "the logged loss is not the mean over the items of the step on all ranks (a "
-                    "loss all_reduce left out?)"
-                )
     # single evaluated its final weights with autocast off, and the probe recomputes that.
     evals = [record for record in c.results["single"].metrics if "eval_loss" in record]
     if p["eval_random"]:
