@@ -388,8 +388,7 @@ def install(target):
         # there, whatever they drew. This launch accumulates no micro-batches, so step 1 is the
         # first call.
         if model.training and training_calls[0] == 1 and "CHECK_STEP_ONE" in env:
-            loss = output[0] if isinstance(output, tuple) else output
-            count = task["count_items"](batch) if "count_items" in task else output[1]
+            loss, count = loss_and_count(task, output, batch)
             record(f"step_one.{RANK}", json.dumps([float(loss), float(count)]))
         return output
 
@@ -425,10 +424,9 @@ def install(target):
     return task
 
 
-def loss_and_count(task, model, batch, args):
-    """Return the loss of a batch and the count of its items, from a copy of today's script or an
-    older one."""
-    output = call_task(task["compute_loss"], model, batch, args)
+def loss_and_count(task, output, batch):
+    """Return the loss in the output of compute_loss and the count of the batch's items, from a
+    copy of today's script or an older one."""
     if "count_items" not in task:  # An older copy's compute_loss returns (loss, count, ...).
         return output[0], output[1]
     loss = output
@@ -712,7 +710,8 @@ class Losses:
             batch = self.collate_fn(read(dataset, indices))
             seed_all(seed)
             batch = to_float64(batch) if float64 else batch
-            loss, n = loss_and_count(self.task, model, batch, self.args)
+            output = call_task(self.task["compute_loss"], model, batch, self.args)
+            loss, n = loss_and_count(self.task, output, batch)
             total += float(loss) * float(n)
             count += float(n)
         return (total / count if count else 0.0), count

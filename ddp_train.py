@@ -483,11 +483,10 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
     stream_ended = len(batches) < state.plan.grad_accum  # Only a stream ends inside an epoch.
     step_sync.start(sum(counts), stream_ended)
     # DDP: The weight of the backward needs the count of all ranks. The plan knows it for samples,
-    # so the step sync runs beside the step. A count of tokens, or a stream that can end, needs
-    # the sum of all ranks before the first forward.
-    if COUNT_UNIT == "samples" and not state.plan.stream:
-        global_items = state.plan.global_batch
-    else:
+    # so the step sync runs beside the step. Tokens, or a stream, need it before the first forward.
+    global_items = state.plan.global_batch
+    waits_before_forward = COUNT_UNIT != "samples" or state.plan.stream
+    if waits_before_forward:
         step_sync.finish()
         check_step_sync(step_sync, state)
         global_items = max(1, step_sync.global_items)  # A step of 0 tokens gets weight 0, not 0/0.
@@ -511,8 +510,9 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
             # scaler scales a mean, never a sum.
             weight = count * world.world_size / global_items
             state.scaler.scale(loss * weight).backward()
-    step_sync.finish()  # This waits only where the sums have not arrived yet.
-    check_step_sync(step_sync, state)
+    if not waits_before_forward:
+        step_sync.finish()
+        check_step_sync(step_sync, state)
     grad_norm = None
     if args.clip_grad_norm or log_now:
         for optimizer in state.optimizers:
@@ -1230,8 +1230,6 @@ class StepSync:
 
     def finish(self):
         """Wait for the sums of all ranks, once in each step."""
-        if self.numbers is None:
-            return
         if self.reduction is not None:
             self.reduction.wait()
             # Trap: A finished all-reduce that stays referenced holds the gloo group. Before torch
@@ -1572,10 +1570,13 @@ def wait_for_workers(workers):
                 if worker not in codes:
                     worker.kill()
     failures = [code for code in codes.values() if code not in (0, EXIT_STOPPED)]
-    if failures:
+    if not failures:
+        return EXIT_STOPPED if EXIT_STOPPED in codes.values() else 0
+    first_failure = failures[0]
+    if first_failure < 0:
         # A worker that a signal N killed returns -N, and a shell writes that as 128 + N.
-        return 128 - failures[0] if failures[0] < 0 else failures[0]
-    return EXIT_STOPPED if EXIT_STOPPED in codes.values() else 0
+        return 128 - first_failure
+    return first_failure
 
 
 def round_store(timeout):

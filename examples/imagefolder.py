@@ -155,10 +155,11 @@ def make_synthetic_data(root, seed, classes=10, train_per_class=48, val_per_clas
 def build_datasets(args):
     # The local rank 0 of each node makes the small folder where it is missing, as the README's
     # cached.py makes its data. The other ranks of the node wait for it.
-    if args.data == SYNTHETIC_DATA and args.local_rank == 0 and not os.path.isdir(args.data):
-        make_synthetic_data(args.data, seed=1234)
-    while args.data == SYNTHETIC_DATA and not os.path.isdir(args.data):
-        time.sleep(0.1)
+    if args.data == SYNTHETIC_DATA:
+        if args.local_rank == 0 and not os.path.isdir(args.data):
+            make_synthetic_data(args.data, seed=1234)
+        while not os.path.isdir(args.data):
+            time.sleep(0.1)
     train_set = ImageFiles(os.path.join(args.data, "train"), augment=True)
     eval_set = ImageFiles(os.path.join(args.data, "val"), augment=False)
     ddp_train.check(train_set.classes == eval_set.classes, "train/ and val/ have other classes")
