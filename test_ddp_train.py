@@ -2247,6 +2247,20 @@ ddp_train.build_datasets, ddp_train.build_model = build_datasets, build_model
 COPY_ARGS = {"resnet-workers": ["--workers", 2], "bf16": ["--amp", "bf16"]}
 COPY_ARGS["double-accum-bf16"] = ["--amp", "bf16"]
 BROKEN_COPIES["double-accum-bf16"] = BROKEN_COPIES["double-accum"]
+# Weights in bfloat16 round at every step, so check 2 allows for their precision. A loss divided by
+# --grad-accum twice in the loop still moves them far beyond it.
+BF16_WEIGHTS = """
+def build_model(args):
+    return model_default(args).to(torch.bfloat16)
+def compute_loss(model, batch, args):
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs.to(torch.bfloat16)).float(), targets)
+ddp_train.build_model, ddp_train.compute_loss = build_model, compute_loss
+"""
+BROKEN_COPIES["double-accum-bf16-weights"] = (
+    {2: "--grad-accum twice"},
+    BROKEN_COPIES["double-accum"][1][:2] + (BF16_WEIGHTS,),
+)
 # A clipped update has the same size whatever the gradient's scale. So check 2 switches clipping off,
 # and it still finds the loss that is divided twice.
 COPY_ARGS["double-accum-clipped"] = ["--clip-grad-norm", 1]
@@ -2360,6 +2374,7 @@ def make_autocast(args, device):
 ddp_train.make_autocast = make_autocast
 """,
     ),
+    "bf16-weights": ((), BF16_WEIGHTS),
     # The dropout between an LSTM's layers is an attribute of the module.
     "lstm-dropout": (
         (2,),
@@ -2435,9 +2450,9 @@ ddp_train.build_model = build_model
 def write_copy(directory: Path, name: str, body: str | tuple) -> Path:
     """Write a copy of a task in a project directory of its own, as NAME.py beside the examples
     tinylm.py, digits.py and imagefolder.py. A body of text imports ddp_train.py from the
-    repository. A body of (line, new line)
-    is a copy of ddp_train.py itself, with that line of its loop edited. A third item names an
-    example, which then runs on the edited copy as the project's ddp_train.py."""
+    repository. A body of (line, new line) is a copy of ddp_train.py itself, with that line of its
+    loop edited. A third item names an example, or it is the text of a task. Either then runs on
+    the edited copy as the project's ddp_train.py."""
     directory.mkdir()
     for example in ("tinylm.py", "digits.py", "imagefolder.py"):
         shutil.copy(ROOT / "examples" / example, directory)
@@ -2446,8 +2461,11 @@ def write_copy(directory: Path, name: str, body: str | tuple) -> Path:
         source = Path(SCRIPT).read_text()
         line, new_line, *example = body
         assert line in source
-        if example:
+        if example and example[0].endswith(".py"):
             script = directory / example[0]
+            (directory / "ddp_train.py").write_text(source.replace(line, new_line))
+        elif example:
+            script.write_text(COPY_HEAD + example[0] + COPY_TAIL)
             (directory / "ddp_train.py").write_text(source.replace(line, new_line))
         else:
             script.write_text(source.replace(line, new_line))
@@ -2517,6 +2535,7 @@ def test_make_check_passes_a_correct_copy_that_differs_by_design(tmp_path, copy)
         "augmented-dict-batches": ["the Dataset's draws seeded per item"],
         "resnet": ["BatchNorm2d x 5 at fixed statistics", "the Dataset's draws seeded per item"],
         "bf16": ["autocast off"],
+        "bf16-weights": ["tolerance 0.016, as the weights' precision is low"],
         "lstm-dropout": ["the dropout of LSTM x 1 off"],
     }
     neutralised["resnet-workers"] = neutralised["resnet"]
