@@ -233,7 +233,7 @@ class World:
     local_rank: int  # The rank on this node picks its GPU.
     world_size: int
     device: torch.device
-    # Small CPU messages, such as the step sync, go over this gloo group. On GPUs it is a group
+    # Small CPU messages, such as the step agreement, go over this gloo group. On GPUs it is a group
     # beside the NCCL group, because NCCL moves only GPU tensors, in the GPU's queue of work. On
     # CPUs it is the process group itself. One process has no group.
     gloo_group: object = None
@@ -329,6 +329,10 @@ class Plan:
     epochs: int  # The run trains in this many epochs. --max-steps can cut the last one short.
     stream: bool  # The training set is an IterableDataset, a stream. Section 8 says what changes.
 
+    def epoch_of(self, step):
+        """Return the epoch of a step as the records count it. The first epoch is 1, not 0."""
+        return math.ceil(step / self.steps_per_epoch)
+
 
 @dataclasses.dataclass
 class Totals:
@@ -420,7 +424,7 @@ def train(args, world):
     if progress.step >= plan.total_steps:
         return rewrite_finished_run(args, world, state)
     log_header(args, world, state)
-    step_sync = StepSync(world)
+    agreement = StepAgreement(world)
     speed = Throughput(progress.step, plan.total_steps)
     for epoch in range(progress.step // plan.steps_per_epoch, plan.epochs):
         last_step_of_epoch = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
@@ -437,15 +441,15 @@ def train(args, world):
             # The step takes its --grad-accum batches. A stream that has ended gives fewer.
             batches = list(itertools.islice(micro_batches, plan.grad_accum))
             epoch_ends = step % plan.steps_per_epoch == 0
-            lr, grad_norm = train_step(args, world, state, batches, step_sync, log_now, epoch_ends)
+            lr, grad_norm = train_step(args, world, state, batches, agreement, log_now, epoch_ends)
             progress.step = step
             progress.lr = lr
             state.epoch_seconds = time.perf_counter() - epoch_started
-            speed.add(step_sync.global_items)  # This counts the step's items on all ranks.
+            speed.add(agreement.global_items)  # This counts the step's items on all ranks.
             periodic_save = args.save_every > 0 and step % args.save_every == 0
             # After an epoch, or an --eval-every step, evaluate_and_record() below writes a record.
             record_kind = due_record_kind(args, state, step)
-            save_now = periodic_save or record_kind is not None or step_sync.should_stop
+            save_now = periodic_save or record_kind is not None or agreement.should_stop
             # A record and a save both need the losses of all ranks. A checkpoint holds their sums.
             if log_now or save_now:
                 sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
@@ -463,17 +467,17 @@ def train(args, world):
                 save_checkpoint(args, world, state)
             if log_now and world.rank == 0:  # report() gets the record after the save of its step.
                 report(record, args, state.raw_model)
-            if step_sync.should_stop and step < plan.total_steps:
-                step_sync.restore_signal_handlers()
+            if agreement.should_stop and step < plan.total_steps:
+                agreement.restore_signal_handlers()
                 log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
                 return EXIT_STOPPED  # The rerun runs the evaluation that the stop skipped.
             if record_kind is not None:
                 evaluate_and_record(args, world, state, record_kind)
-    step_sync.restore_signal_handlers()
+    agreement.restore_signal_handlers()
     return end_run(args, world, state)
 
 
-def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
+def train_step(args, world, state, batches, agreement, log_now, epoch_ends):
     """All ranks take one optimizer step over this rank's micro-batches of the step.
 
     It returns the step's learning rate and its gradient norm. The norm is a tensor, and it is None
@@ -481,15 +485,15 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
     step is the last of its epoch."""
     counts = [count_items(batch) for batch in batches]  # They are counted on the CPU.
     stream_ended = len(batches) < state.plan.grad_accum  # Only a stream ends inside an epoch.
-    step_sync.start(sum(counts), stream_ended)
+    agreement.start(sum(counts), stream_ended)
     # DDP: The weight of the backward needs the count of all ranks. The plan knows it for samples,
-    # so the step sync runs beside the step. Tokens, or a stream, need it before the first forward.
+    # so the agreement runs beside the step. Tokens, or a stream, need it before the first forward.
     global_items = state.plan.global_batch
     waits_before_forward = COUNT_UNIT != "samples" or state.plan.stream
     if waits_before_forward:
-        step_sync.finish()
-        check_step_sync(step_sync, state)
-        global_items = max(1, step_sync.global_items)  # A step of 0 tokens gets weight 0, not 0/0.
+        agreement.finish()
+        check_agreement(agreement, state)
+        global_items = max(1, agreement.global_items)  # A step of 0 tokens gets weight 0, not 0/0.
     for i, (batch, count) in enumerate(zip(batches, counts)):
         batch = to_device(batch, world.device)
         # DDP: no_sync skips the gradient all-reduce. Only the last micro-batch's backward runs it.
@@ -511,8 +515,8 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
             weight = count * world.world_size / global_items
             state.scaler.scale(loss * weight).backward()
     if not waits_before_forward:
-        step_sync.finish()
-        check_step_sync(step_sync, state)
+        agreement.finish()
+        check_agreement(agreement, state)
     grad_norm = None
     if args.clip_grad_norm or log_now:
         for optimizer in state.optimizers:
@@ -535,10 +539,10 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
     return lr, grad_norm
 
 
-def check_step_sync(step_sync, state):
+def check_agreement(agreement, state):
     """All ranks stop with one line if the stream of any rank has ended before this step, or if the
     count of the step's items is wrong."""
-    if step_sync.stream_ended:  # Only a stream ends, so other steps never build this message.
+    if agreement.stream_ended:  # Only a stream ends, so other steps never build this message.
         trained_steps = state.progress.step
         if trained_steps > 0:
             advice = f"pass --max-steps {trained_steps}"
@@ -548,7 +552,7 @@ def check_step_sync(step_sync, state):
             f"the training stream of a rank ended before step {trained_steps + 1} of "
             f"{state.plan.total_steps}: {advice}, or let the stream repeat"
         )
-    check_step_items(step_sync.global_items, state.plan)
+    check_step_items(agreement.global_items, state.plan)
 
 
 def steps_now(scheduler, epoch_ends):
@@ -564,7 +568,7 @@ def steps_now(scheduler, epoch_ends):
 # ====== 4. Exact means ============================================================================
 # The gradient and the logged figures are exact means over all the items of a step. Each rank
 # counts its items on the CPU before the forward. The plan knows a step's count of samples, and for
-# tokens the step sync adds up the counts of all ranks first. Each micro-batch's mean is then
+# tokens the step agreement adds up the counts of all ranks first. Each micro-batch's mean is then
 # multiplied by its count over the step's count. The test
 # test_n_processes_x_b_with_accumulation_equal_one_process_x_n_times_b proves it.
 
@@ -713,7 +717,7 @@ def evaluate_models(args, world, model, averaged_models, eval_loader, autocast):
 def progress_record(plan, progress, grad_norm, speed):
     """Return a progress record: the means since the last one, the lr, the norm and the speed."""
     step = progress.step
-    record = {"kind": "progress", "step": step, "epoch": math.ceil(step / plan.steps_per_epoch)}
+    record = {"kind": "progress", "step": step, "epoch": plan.epoch_of(step)}
     record.update(progress.totals_since_log.means("train_"))
     record["lr"] = progress.lr
     record["grad_norm"] = grad_norm.item()
@@ -739,7 +743,7 @@ def evaluate_and_record(args, world, state, kind):
     record comes beside it. A ReduceLROnPlateau steps with the record's eval loss."""
     plan = state.plan
     step = state.progress.step
-    record = {"kind": kind, "step": step, "epoch": math.ceil(step / plan.steps_per_epoch)}
+    record = {"kind": kind, "step": step, "epoch": plan.epoch_of(step)}
     if kind == "epoch":
         record.update(epoch_metrics(world, state))
     if len(state.eval_loader.dataset) > 0:
@@ -786,7 +790,7 @@ def epoch_metrics(world, state):
     totals = state.progress.epoch_totals
     plan = state.plan
     step = state.progress.step
-    epoch = math.ceil(step / plan.steps_per_epoch)
+    epoch = plan.epoch_of(step)
     steps = step - (epoch - 1) * plan.steps_per_epoch  # These are the epoch's steps up to this one.
     metrics = totals.means("train_")
     metrics["train_samples"] = steps * plan.global_batch
@@ -1191,12 +1195,12 @@ def set_rng_state(state):
         numpy.random.set_state(state["numpy"])
 
 
-# ====== 7. Preemption =============================================================================
+# ====== 7. The step agreement: stop signals and counts ============================================
 # A stop signal on any rank stops every rank after the same step. The test
 # test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_ends_bit_identical proves it.
 
 
-class StepSync:
+class StepAgreement:
     """At every step, all ranks add up three numbers in one all-reduce over gloo. These are the
     stop signals that they got, their counts of the step's items, and whether their streams have
     ended. So every rank knows the step's count of items over all ranks, and all ranks stop after
@@ -1456,7 +1460,7 @@ def make_train_loader(args, world, train_set, plan):
 
     A stream, an IterableDataset, has neither. It gives each rank its own items, and it may ask
     torch.distributed for the rank. It has no length, so its run is one epoch of --max-steps steps.
-    The step sync finishes before each forward, and all ranks stop with one line when a rank's
+    The step agreement finishes before each forward, and all ranks stop with one line when a rank's
     stream runs out. Each checkpoint holds every rank's stream.state_dict(), so a resume needs the
     same world size. A stream needs --workers 0, because each worker would hold a copy that no
     checkpoint can read."""
