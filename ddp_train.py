@@ -762,11 +762,12 @@ def resume_records(args, world, state):
     step are deleted, because the run writes them again. A new run starts at step 0, with no
     records.
 
-    A step saves its checkpoint before it evaluates. For example, step 100 saves, evaluates,
-    writes its eval record, and steps a ReduceLROnPlateau with that eval loss. If the run stopped
-    before the record, metrics.jsonl lacks it, and all ranks evaluate step 100 now. If it stopped
-    after the record, the plateau that the checkpoint restored has not seen that eval loss
-    yet. So it steps now with the eval loss of the record, as it did in the run that wrote it."""
+    A step saves its checkpoint before it evaluates. For example, step 100 saves, then evaluates
+    and writes its eval record, and then steps each ReduceLROnPlateau with that eval loss. A stop
+    can come between the save and the record. If metrics.jsonl lacks the record, all ranks
+    evaluate step 100 now and write it. If the record is there, the plateau that the checkpoint
+    restored has not seen its eval loss. So the plateau steps now with that loss, as it did in the
+    run that wrote the record. Without a ReduceLROnPlateau, step_plateaus() does nothing."""
     step = state.progress.step
     records_in_file = truncate_metrics_after(args, world, step)
     kind = due_record_kind(args, state, step)
@@ -1293,7 +1294,7 @@ def setup_training(args, world):
         progress = restore_checkpoint(args, world, stateful_parts, path, checkpoint)
     if checkpoint and plan.stream:
         restore_stream(world, train_set, path, checkpoint)
-    del checkpoint  # On GPUs, this frees the file's pages before the workers start.
+    del checkpoint  # Its pages go now. A restored CPU optimizer keeps some until the first save.
     sampler, batch_sampler, loader = make_train_loader(args, world, train_set, plan)
     eval_loader = make_eval_loader(args, world, eval_set)
     # Trap: The workers start now, once, before any collective. On Python before 3.12, a fork while
