@@ -832,9 +832,10 @@ NOISE_FACTOR = 10
 
 
 def weights_tolerance(weights: dict) -> float:
-    """Return the largest gap of the weights that a correct copy explains. Weights held in bfloat16
-    or float16 round at every step, so a correct copy's gaps grow to about their epsilon. Then a
-    gap may reach twice the epsilon of the weights' lowest precision."""
+    """Return the largest relative gap of the weights that rounding explains in a correct copy.
+    Weights held in bfloat16 or float16 round at every step, so a correct copy's gaps grow to about
+    their epsilon. Then a gap may reach twice the epsilon of the lowest precision among the saved
+    tensors."""
     epsilons = [torch.finfo(w.dtype).eps for w in weights.values() if w.is_floating_point()]
     return max([TOLERANCE] + [2 * epsilon for epsilon in epsilons])
 
@@ -873,7 +874,7 @@ def check_equivalence(c: CopyCheck) -> Verdict:
             "compute_loss reads --grad-accum, so its loss changes with it (a "
             "loss divided by --grad-accum, which the loop does already?)",
         )
-    limit = tolerance  # This is the largest gap that the model's design explains.
+    limit = tolerance  # This is the largest gap that rounding or the model's design explains.
     design = differs_by_design(p, train)
     # A loss that mixes items does not do so by design.
     if design and not loss_mixes_items(p):

@@ -233,9 +233,9 @@ class World:
     local_rank: int  # The rank on this node picks its GPU.
     world_size: int
     device: torch.device
-    # Small CPU messages, such as the step agreement, go over this gloo group. On GPUs it is a group
-    # beside the NCCL group, because NCCL moves only GPU tensors, in the GPU's queue of work. On
-    # CPUs it is the process group itself. One process has no group.
+    # Small CPU messages, such as the step agreement's, go over this gloo group. On GPUs it is a
+    # group beside the NCCL group, because NCCL moves only GPU tensors, in the GPU's queue of work.
+    # On CPUs it is the process group itself. One process has no group.
     gloo_group: object = None
 
 
@@ -765,9 +765,10 @@ def resume_records(args, world, state):
     A step saves its checkpoint before it evaluates. For example, step 100 saves, then evaluates
     and writes its eval record, and then steps each ReduceLROnPlateau with that eval loss. A stop
     can come between the save and the record. If metrics.jsonl lacks the record, all ranks
-    evaluate step 100 now and write it. If the record is there, the plateau that the checkpoint
-    restored has not seen its eval loss. So the plateau steps now with that loss, as it did in the
-    run that wrote the record. Without a ReduceLROnPlateau, step_plateaus() does nothing."""
+    evaluate step 100 now, and rank 0 writes it. If the record is there, the plateau that the
+    checkpoint restored has not seen its eval loss. So the plateau steps now with that loss, as it
+    did in the run that wrote the record. Without a ReduceLROnPlateau, step_plateaus() does
+    nothing."""
     step = state.progress.step
     records_in_file = truncate_metrics_after(args, world, step)
     kind = due_record_kind(args, state, step)
@@ -1196,7 +1197,7 @@ def set_rng_state(state):
         numpy.random.set_state(state["numpy"])
 
 
-# ====== 7. The step agreement: stop signals and counts ============================================
+# ====== 7. The step agreement =====================================================================
 # A stop signal on any rank stops every rank after the same step. The test
 # test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_ends_bit_identical proves it.
 
@@ -1294,7 +1295,7 @@ def setup_training(args, world):
         progress = restore_checkpoint(args, world, stateful_parts, path, checkpoint)
     if checkpoint and plan.stream:
         restore_stream(world, train_set, path, checkpoint)
-    del checkpoint  # Its pages go now. A restored CPU optimizer keeps some until the first save.
+    del checkpoint  # This frees its memory before the workers fork (but see copy_mapped_tensors).
     sampler, batch_sampler, loader = make_train_loader(args, world, train_set, plan)
     eval_loader = make_eval_loader(args, world, eval_set)
     # Trap: The workers start now, once, before any collective. On Python before 3.12, a fork while
