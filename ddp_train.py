@@ -367,6 +367,14 @@ class SavedProgress:
     # record.
     epoch_totals: Totals = dataclasses.field(default_factory=Totals)
     totals_since_log: Totals = dataclasses.field(default_factory=Totals)
+    # This is the training time of this epoch's steps so far. A resumed epoch adds to it, so the
+    # time between a stop and its rerun is not counted.
+    epoch_seconds: float = 0.0
+
+    def start_epoch(self):
+        """A new epoch starts its totals and its seconds from zero."""
+        self.epoch_totals = Totals()
+        self.epoch_seconds = 0.0
 
 
 @dataclasses.dataclass
@@ -395,7 +403,6 @@ class TrainState:
     # The loss all_reduce adds up the sums and the counts of all ranks.
     unreduced_sums: dict = dataclasses.field(default_factory=dict)
     unreduced_count: int = 0
-    epoch_seconds: float = 0.0  # This is the time of the epoch's steps, up to the last one trained.
 
 
 @errors.record  # Under torchrun, this puts a worker's traceback in torchrun's failure summary.
@@ -432,9 +439,9 @@ def train(args, world):
             state.sampler.set_epoch(epoch)  # DDP: Trap: Each epoch needs it for its own shuffle.
             # A resumed epoch skips the steps that it has already trained, and it keeps its totals.
             state.batch_sampler.skip_steps = progress.step - epoch * plan.steps_per_epoch
-        if progress.step == epoch * plan.steps_per_epoch:  # A new epoch starts its totals.
-            progress.epoch_totals = Totals()
-        epoch_started = time.perf_counter()
+        if progress.step == epoch * plan.steps_per_epoch:
+            progress.start_epoch()
+        epoch_started = time.perf_counter() - progress.epoch_seconds
         micro_batches = iter(state.loader)  # Each step takes its --grad-accum batches from here.
         for step in range(progress.step + 1, last_step_of_epoch + 1):
             log_now = args.log_every > 0 and step % args.log_every == 0
@@ -444,7 +451,7 @@ def train(args, world):
             lr, grad_norm = train_step(args, world, state, batches, agreement, log_now, epoch_ends)
             progress.step = step
             progress.lr = lr
-            state.epoch_seconds = time.perf_counter() - epoch_started
+            progress.epoch_seconds = time.perf_counter() - epoch_started
             speed.add(agreement.global_items)  # This counts the step's items on all ranks.
             periodic_save = args.save_every > 0 and step % args.save_every == 0
             # After an epoch, or an --eval-every step, evaluate_and_record() below writes a record.
@@ -800,7 +807,7 @@ def epoch_metrics(world, state):
         metrics[f"train_{COUNT_UNIT}"] = totals.count
     metrics["lr"] = state.progress.lr
     metrics["world_size"] = world.world_size
-    metrics["epoch_s"] = state.epoch_seconds
+    metrics["epoch_s"] = state.progress.epoch_seconds
     return metrics
 
 
@@ -955,7 +962,7 @@ def log_header(args, world, state):
 
 
 # A checkpoint of another format is of another version of ddp_train.py, and the script refuses it.
-CHECKPOINT_FORMAT = 3
+CHECKPOINT_FORMAT = 4
 # A resume does not compare these flags with the checkpoint's, since they may change freely.
 FREE_AT_RESUME = ("out_dir", "eval_only", "spawn", "rank", "local_rank", "timeout")
 
@@ -1045,6 +1052,7 @@ def restore_checkpoint(args, world, stateful_parts, path, checkpoint):
         lr=saved["lr"],
         epoch_totals=Totals(**saved["epoch_totals"]),
         totals_since_log=Totals(**saved["totals_since_log"]),
+        epoch_seconds=saved["epoch_seconds"],
     )
     log(
         f"resumed from {path} at step {progress.step}, "
@@ -1218,7 +1226,7 @@ class StepAgreement:
         self.should_stop = False  # This says whether any rank got a stop signal.
         self.stream_ended = False  # This says whether any rank's stream ran out in this step.
         self.global_items = 0  # This counts the step's items over all ranks.
-        self.numbers = None  # These are the numbers that start() sent, and finish() sums them.
+        self.numbers = None  # These are the numbers that start() sends, and the all-reduce sums.
         self.reduction = None  # This is the all-reduce in flight between start() and finish().
         self.previous_handlers = handle_stop_signals(self.on_signal)
 
@@ -1242,7 +1250,6 @@ class StepAgreement:
             # 2.8, a group that is freed late, at exit, can hang the process.
             self.reduction = None
         signals, global_items, ended_ranks = self.numbers.tolist()
-        self.numbers = None
         self.should_stop = signals > 0
         self.global_items = global_items
         self.stream_ended = ended_ranks > 0
@@ -1295,7 +1302,7 @@ def setup_training(args, world):
         progress = restore_checkpoint(args, world, stateful_parts, path, checkpoint)
     if checkpoint and plan.stream:
         restore_stream(world, train_set, path, checkpoint)
-    del checkpoint  # This frees its memory before the workers fork (but see copy_mapped_tensors).
+    del checkpoint  # This frees its memory before the workers fork. See copy_mapped_tensors().
     sampler, batch_sampler, loader = make_train_loader(args, world, train_set, plan)
     eval_loader = make_eval_loader(args, world, eval_set)
     # Trap: The workers start now, once, before any collective. On Python before 3.12, a fork while
@@ -1576,8 +1583,10 @@ def wait_for_workers(workers):
                 if worker not in codes:
                     worker.kill()
     failures = [code for code in codes.values() if code not in (0, EXIT_STOPPED)]
+    if not failures and EXIT_STOPPED in codes.values():
+        return EXIT_STOPPED
     if not failures:
-        return EXIT_STOPPED if EXIT_STOPPED in codes.values() else 0
+        return 0
     first_failure = failures[0]
     if first_failure < 0:
         # A worker that a signal N killed returns -N, and a shell writes that as 128 + N.
