@@ -103,7 +103,8 @@ def reference(tmp_path_factory):
 # user.py runs the task BASE, which is digits or tinylm, or else the default task. It makes the
 # changes that VARIANT names, separated by commas. Rank STOP_RANK sends STOP_SIGNAL to itself in its
 # STOP_AT-th training micro-batch. With STOP_TARGET=parent, it sends the signal to torchrun instead.
-# It sends the signal once per job, and not in a restarted worker. The first run of an out-dir may
+# It sends the signal once per job, and not in a restarted worker. VARIANT=lateleader holds rank 0
+# of a restarted round back for 5 s, so that its peers join first. The first run of an out-dir may
 # also die in report() at step FAIL_STEP. A run is the first while RECORD.first does not exist yet.
 USER_PY = '''
 import collections, contextlib, math, os, signal, sys, time
@@ -118,6 +119,8 @@ if env.get("BASE"):
             setattr(base, name, type(getattr(base, name))(env[value]))
 variant, loss_of, calls = env.get("VARIANT", "").split(","), ddp_train.compute_loss, [0]
 count_of = ddp_train.count_items
+if "lateleader" in variant and env.get("RANK") == "0" and env.get("TORCHELASTIC_RESTART_COUNT") == "1":
+    time.sleep(5)  # the restarted rank 1 meets the old round's keys first
 
 
 def count_items(batch):
@@ -422,8 +425,9 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="session")
 def project(tmp_path_factory) -> Path:
-    """Return a user's project directory. It holds a copy of ddp_train.py, the two examples, the
-    README's recipes, such as ema.py, and user.py. BASE=ema makes user.py run ema.py's task."""
+    """Return a user's project directory. It holds a copy of ddp_train.py, the examples, the
+    recipes of the README and of docs/recipes.md, such as ema.py, and user.py. BASE=ema makes
+    user.py run ema.py's task."""
     with shared(tmp_path_factory, "project") as d:
         if not (d / "done").exists():
             for name in (
@@ -431,7 +435,7 @@ def project(tmp_path_factory) -> Path:
                 *(f"examples/{n}.py" for n in ("digits", "tinylm", "stream")),
             ):
                 shutil.copy(ROOT / name, d)
-            for language, text, _ in readme_blocks():
+            for language, text, _ in doc_blocks():
                 recipe = re.match(r"# (\w+\.py): ", text)
                 if language == "python" and recipe:
                     (d / recipe.group(1)).write_text(text)
@@ -720,15 +724,19 @@ def slurm_cluster(slurm_session):
 
 
 # ---------------------------------------------------------------------------
-# The tests run the README's code blocks as a newcomer runs them.
+# The tests run the code blocks of the README and of docs/recipes.md as a newcomer runs them.
 # ---------------------------------------------------------------------------
 
 
-def readme_blocks(path=ROOT / "README.md") -> list[tuple[str, str, str | None]]:
-    """Return the README's fenced bash and python blocks in order. Each block is a tuple of its
-    language, its text, and why it is not run or None. A block is not run where the line before it
-    says `<!-- not run by the tests: WHY -->`."""
-    blocks, why, lines = [], None, path.read_text().splitlines()
+RECIPES = ROOT / "docs/recipes.md"
+
+
+def doc_blocks() -> list[tuple[str, str, str | None]]:
+    """Return the fenced bash and python blocks of the README and then of docs/recipes.md, in order.
+    Each block is a tuple of its language, its text, and why it is not run or None. A block is not
+    run where the line before it says `<!-- not run by the tests: WHY -->`."""
+    blocks, why = [], None
+    lines = [*(ROOT / "README.md").read_text().splitlines(), "", *RECIPES.read_text().splitlines()]
     i = 0
     while i < len(lines):
         marker = re.fullmatch(r"<!-- not run by the tests: (.*) -->", lines[i])

@@ -104,16 +104,16 @@ def build_datasets(args):
     shows. args.rank and args.local_rank say where this process is. So the local rank 0 of each
     node can download the data, while the other ranks wait for its files, as the README's cached.py
     shows. Trap: Do not wait at a dist.barrier() here, because the DataLoader workers fork later."""
-    check(args.num_samples >= 0, f"--num-samples is {args.num_samples}: it is at least 0")
-    check(args.eval_samples >= 0, f"--eval-samples is {args.eval_samples}: it is at least 0")
+    check(args.num_samples >= 0, f"--num-samples must be at least 0, not {args.num_samples}")
+    check(args.eval_samples >= 0, f"--eval-samples must be at least 0, not {args.eval_samples}")
     generator = torch.Generator().manual_seed(args.seed)
     teacher = torch.randn(FEATURES, CLASSES, generator=generator)
 
-    def make(size):
+    def make_split(size):
         inputs = torch.randn(size, FEATURES, generator=generator)
         return InMemory(inputs, (inputs @ teacher).argmax(dim=1))
 
-    return make(args.num_samples), make(args.eval_samples)
+    return make_split(args.num_samples), make_split(args.eval_samples)
 
 
 def build_model(args):
@@ -157,9 +157,10 @@ def compute_loss(model, batch, args):
     inputs, targets = batch
     logits = model(inputs).float()
     loss = F.cross_entropy(logits, targets)
-    if model.training:  # Training skips the accuracy, so that it stays fast.
-        return loss
-    return loss, {"accuracy": (logits.argmax(dim=1) == targets).float().mean()}
+    metrics = {}
+    if not model.training:  # Training skips the accuracy, so that it stays fast.
+        metrics["accuracy"] = (logits.argmax(dim=1) == targets).float().mean()
+    return loss, metrics
 
 
 def eval_metrics(means, args):
@@ -196,13 +197,13 @@ def build_scheduler(args, optimizer, plan):
     with scheduler.per_epoch = True steps after each epoch's last step instead, as torchvision's
     recipes step theirs. A ReduceLROnPlateau steps after each evaluation, with the eval loss."""
 
-    def factor(step):  # The step argument counts the optimizer steps done before this one.
+    def lr_factor(step):  # The step argument counts the optimizer steps done before this one.
         if step < args.warmup_steps:
             return (step + 1) / args.warmup_steps
         decay_steps = max(1, plan.total_steps - args.warmup_steps)
         return (1 + math.cos(math.pi * (step - args.warmup_steps) / decay_steps)) / 2
 
-    return LambdaLR(optimizer, factor)
+    return LambdaLR(optimizer, lr_factor)
 
 
 def build_averaged_models(args, model):
@@ -312,7 +313,8 @@ def cleanup_distributed(world):
 
 
 # ====== 3. The loop: read this section first ======================================================
-# main(), train() and train_step() are the tutorials' loop, in torch's own names. After each step,
+# main(), setup_training(), train() and train_step() are the tutorials' loop, in torch's own names.
+# setup_training() builds the DistributedSampler, the DataLoader and DDP(...). After each step,
 # train() runs the loss all_reduce, the progress record, rank 0's save of model.pt at the end, the
 # checkpoint, report(), the stop and the evaluation, in this order. Its comments say why. The state
 # that the loop keeps comes before them.
@@ -327,7 +329,7 @@ class Plan:
     steps_per_epoch: int  # Each step is a full global batch, so an epoch drops its partial end.
     total_steps: int
     epochs: int  # The run trains in this many epochs. --max-steps can cut the last one short.
-    stream: bool  # The training set is an IterableDataset, a stream. Section 8 says what changes.
+    stream: bool  # The training set is an IterableDataset. make_train_loader() says what changes.
 
     def epoch_of(self, step):
         """Return the epoch of a step as the records count it. The first epoch is 1, not 0."""
@@ -416,10 +418,95 @@ def main(argv=None):
             return evaluate_checkpoint(args, world)
         return train(args, world)
     except BaseException as exc:
-        free_frames(exc)  # Trap: section 11 says why.
+        clear_traceback_frames(exc)  # Trap: section 11 says why.
         raise
     finally:
         cleanup_distributed(world)
+
+
+def setup_training(args, world):
+    """All ranks build what training needs, in running order, and resume from a checkpoint."""
+    train_set, eval_set, model = build_task(args, world)
+    path, checkpoint = read_checkpoint(args.out_dir)
+    plan = make_plan(args, world, train_set, path, checkpoint)
+    optimizers = build_optimizer(args, model, plan)
+    if not isinstance(optimizers, (list, tuple)):
+        optimizers = [optimizers]  # The task may return one optimizer or a list of them.
+    schedulers = [build_scheduler(args, optimizer, plan) for optimizer in optimizers]
+    scaler = torch.amp.GradScaler(world.device.type, enabled=args.amp == "fp16")
+    averaged_models = build_averaged_models(args, model)
+    stateful_parts = checkpointed_parts(model, scaler, optimizers, schedulers, averaged_models)
+    # DDP: Each rank gets a random stream of its own, so that dropout differs between the ranks.
+    seed_everything(rank_seed(args, world))
+    progress = SavedProgress()
+    if checkpoint:
+        progress = restore_checkpoint(args, world, stateful_parts, path, checkpoint)
+    if checkpoint and plan.stream:
+        restore_stream(world, train_set, path, checkpoint)
+    del checkpoint  # This frees its memory before the workers fork. See copy_mapped_tensors().
+    sampler, batch_sampler, loader = make_train_loader(args, world, train_set, plan)
+    eval_loader = make_eval_loader(args, world, eval_set)
+    # Trap: The workers start now, once, before any collective. On Python before 3.12, a fork while
+    # a gloo or NCCL thread frees a finished collective can deadlock the child (CPython #112275).
+    start_workers(loader)
+    start_workers(eval_loader)
+    check_same_start(world, progress.step)
+    if world.rank == 0 and path and path.endswith(".tmp"):
+        # Trap: Every rank has read the .tmp file that a crash between atomic_save's two renames
+        # left. It takes its place now, because the next save would remove it first.
+        os.replace(path, path.removesuffix(".tmp"))
+    ddp_model = model
+    if world.world_size > 1:
+        # DDP: The wrap broadcasts rank 0's weights, and it needs no device_ids after set_device().
+        # It averages the gradients in buckets, and the gradients live in them, which saves a copy.
+        ddp_model = DDP(
+            model, find_unused_parameters=args.find_unused_parameters, gradient_as_bucket_view=True
+        )
+    train_model = ddp_model  # torch.compile wraps DDP, so DDP's buckets still split the graph.
+    if args.compile:
+        train_model = torch.compile(ddp_model)
+    if world.rank == 0:  # Rank 0 writes only now, after every check, so a mistake writes nothing.
+        os.makedirs(args.out_dir, exist_ok=True)
+    return TrainState(
+        plan=plan,
+        progress=progress,
+        raw_model=model,
+        ddp_model=ddp_model,
+        train_model=train_model,
+        stateful_parts=stateful_parts,
+        averaged_models=averaged_models,
+        optimizers=optimizers,
+        schedulers=schedulers,
+        scaler=scaler,
+        autocast=make_autocast(args, world.device),
+        sampler=sampler,
+        batch_sampler=batch_sampler,
+        loader=loader,
+        eval_loader=eval_loader,
+    )
+
+
+def make_train_loader(args, world, train_set, plan):
+    """Return the training DataLoader, its sampler and its batch sampler.
+
+    A stream, an IterableDataset, has neither. It gives each rank its own items, and it may ask
+    torch.distributed for the rank. It has no length, so its run is one epoch of --max-steps steps.
+    The step agreement finishes before each forward, and all ranks stop with one line when a rank's
+    stream runs out. Each checkpoint holds every rank's stream.state_dict(), so a resume needs the
+    same world size. A stream needs --workers 0, because each worker would hold a copy that no
+    checkpoint can read."""
+    options = loader_options(args, world, args.workers, training=True)
+    if plan.stream:
+        # The stream gives this rank its own items. drop_last keeps every batch whole, so a step
+        # with fewer batches means that the stream has ended.
+        return None, None, DataLoader(train_set, args.batch_size, drop_last=True, **options)
+    # DDP: Each rank reads its own share of each epoch's shuffle. drop_last makes the shares equal.
+    sampler = DistributedSampler(
+        train_set, world.world_size, world.rank, seed=args.seed, drop_last=True
+    )
+    batch_sampler = ResumableBatchSampler(sampler, args.batch_size, plan)
+    loader = DataLoader(train_set, batch_sampler=batch_sampler, **options)
+    return sampler, batch_sampler, loader
 
 
 def train(args, world):
@@ -429,10 +516,10 @@ def train(args, world):
     progress = state.progress
     resume_records(args, world, state)
     if progress.step >= plan.total_steps:
-        return rewrite_finished_run(args, world, state)
+        return rewrite_final_weights(args, world, state)
     log_header(args, world, state)
     agreement = StepAgreement(world)
-    speed = Throughput(progress.step, plan.total_steps)
+    throughput = Throughput(progress.step, plan.total_steps)
     for epoch in range(progress.step // plan.steps_per_epoch, plan.epochs):
         last_step_of_epoch = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
         if not plan.stream:  # A stream has no sampler, and its state_dict() holds its place.
@@ -441,7 +528,8 @@ def train(args, world):
             state.batch_sampler.skip_steps = progress.step - epoch * plan.steps_per_epoch
         if progress.step == epoch * plan.steps_per_epoch:
             progress.start_epoch()
-        epoch_started = time.perf_counter() - progress.epoch_seconds
+        epoch_started = time.perf_counter()
+        saved_seconds = progress.epoch_seconds  # A resumed epoch counts on from these.
         micro_batches = iter(state.loader)  # Each step takes its --grad-accum batches from here.
         for step in range(progress.step + 1, last_step_of_epoch + 1):
             log_now = args.log_every > 0 and step % args.log_every == 0
@@ -451,18 +539,17 @@ def train(args, world):
             lr, grad_norm = train_step(args, world, state, batches, agreement, log_now, epoch_ends)
             progress.step = step
             progress.lr = lr
-            progress.epoch_seconds = time.perf_counter() - epoch_started
-            speed.add(agreement.global_items)  # This counts the step's items on all ranks.
+            progress.epoch_seconds = saved_seconds + time.perf_counter() - epoch_started
+            throughput.add(agreement.global_items)  # This counts the step's items on all ranks.
             periodic_save = args.save_every > 0 and step % args.save_every == 0
-            # After an epoch, or an --eval-every step, evaluate_and_record() below writes a record.
-            record_kind = due_record_kind(args, state, step)
+            record_kind = due_record_kind(args, state, step)  # It is "epoch", "eval" or None.
             save_now = periodic_save or record_kind is not None or agreement.should_stop
             # A record and a save both need the losses of all ranks. A checkpoint holds their sums.
             if log_now or save_now:
                 sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
                 check_finite(sums["loss"], state.raw_model, step)
             if log_now:
-                record = progress_record(plan, progress, grad_norm, speed)
+                record = progress_record(plan, progress, grad_norm, throughput)
                 write_record(args, world, record, plan.total_steps)
                 progress.totals_since_log = Totals()
             # model.pt comes before the final checkpoint. A kill between them leaves a run that the
@@ -537,7 +624,7 @@ def train_step(args, world, state, batches, agreement, log_now, epoch_ends):
     lr = state.optimizers[0].param_groups[0]["lr"]
     for optimizer, scheduler in zip(state.optimizers, state.schedulers):
         state.scaler.step(optimizer)
-        if steps_now(scheduler, epoch_ends):
+        if scheduler_steps_now(scheduler, epoch_ends):
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     state.scaler.update()
@@ -562,7 +649,7 @@ def check_agreement(agreement, state):
     check_step_items(agreement.global_items, state.plan)
 
 
-def steps_now(scheduler, epoch_ends):
+def scheduler_steps_now(scheduler, epoch_ends):
     """Return whether a scheduler steps after this optimizer step. A ReduceLROnPlateau steps after
     evaluations instead, and a scheduler marked per_epoch after the last step of an epoch."""
     if isinstance(scheduler, ReduceLROnPlateau):
@@ -721,14 +808,14 @@ def evaluate_models(args, world, model, averaged_models, eval_loader, autocast):
     return metrics
 
 
-def progress_record(plan, progress, grad_norm, speed):
+def progress_record(plan, progress, grad_norm, throughput):
     """Return a progress record: the means since the last one, the lr, the norm and the speed."""
     step = progress.step
     record = {"kind": "progress", "step": step, "epoch": plan.epoch_of(step)}
     record.update(progress.totals_since_log.means("train_"))
     record["lr"] = progress.lr
     record["grad_norm"] = grad_norm.item()
-    record.update(speed.metrics(step))  # This also starts the next window of the speed.
+    record.update(throughput.metrics(step))  # This also starts the next window of the throughput.
     return record
 
 
@@ -761,7 +848,7 @@ def evaluate_and_record(args, world, state, kind):
     write_record(args, world, record, plan.total_steps)
     if world.rank == 0:
         report(record, args, state.raw_model)
-    step_plateaus(state, record)
+    step_plateau_schedulers(state, record)
 
 
 def resume_records(args, world, state):
@@ -774,20 +861,20 @@ def resume_records(args, world, state):
     can come between the save and the record. If metrics.jsonl lacks the record, all ranks
     evaluate step 100 now, and rank 0 writes it. If the record is there, the plateau that the
     checkpoint restored has not seen its eval loss. So the plateau steps now with that loss, as it
-    did in the run that wrote the record. Without a ReduceLROnPlateau, step_plateaus() does
-    nothing."""
+    did in the run that wrote the record. Without a ReduceLROnPlateau, step_plateau_schedulers()
+    does nothing."""
     step = state.progress.step
     records_in_file = truncate_metrics_after(args, world, step)
     kind = due_record_kind(args, state, step)
     if step == 0 or kind is None:
         return
     if kind in records_in_file:
-        step_plateaus(state, records_in_file[kind])
+        step_plateau_schedulers(state, records_in_file[kind])
     else:
         evaluate_and_record(args, world, state, kind)
 
 
-def step_plateaus(state, record):
+def step_plateau_schedulers(state, record):
     """Every rank steps each ReduceLROnPlateau with the eval loss of the record."""
     for scheduler in state.schedulers:
         if isinstance(scheduler, ReduceLROnPlateau) and "eval_loss" in record:
@@ -901,9 +988,9 @@ def truncate_metrics_after(args, world, step):
             f.writelines(kept_lines)
         os.replace(f"{path}.tmp", path)
     if world.world_size > 1:  # All ranks need the records, because they all evaluate.
-        shared = [records_in_file]
-        dist.broadcast_object_list(shared, src=0, group=world.gloo_group)
-        records_in_file = shared[0]
+        broadcast_list = [records_in_file]
+        dist.broadcast_object_list(broadcast_list, src=0, group=world.gloo_group)
+        records_in_file = broadcast_list[0]
     return records_in_file
 
 
@@ -915,7 +1002,7 @@ def end_run(args, world, state):
     return 0
 
 
-def rewrite_finished_run(args, world, state):
+def rewrite_final_weights(args, world, state):
     """A rerun of a finished run writes model.pt again from the final checkpoint. Then model.pt
     always holds the weights of the run that the checkpoint finished, even if the same out-dir had
     an earlier run of fewer steps."""
@@ -1279,73 +1366,12 @@ def ignore_signals(worker_id):
 
 
 # ====== 8. Setup ==================================================================================
-# These functions build what the loop needs. A resume on another world size keeps its global batch,
-# as test_a_node_that_leaves_and_joins_again_resumes_the_run_with_its_global_batch proves.
+# These functions build what setup_training() needs. A resume on another world size keeps its
+# global batch, as test_a_node_that_leaves_and_joins_again_resumes_the_run_with_its_global_batch
+# proves.
 
 
-def setup_training(args, world):
-    """All ranks build what training needs, in running order, and resume from a checkpoint."""
-    train_set, eval_set, model = build_task(args, world)
-    path, checkpoint = read_checkpoint(args.out_dir)
-    plan = make_plan(args, world, train_set, path, checkpoint)
-    optimizers = build_optimizer(args, model, plan)
-    if not isinstance(optimizers, (list, tuple)):
-        optimizers = [optimizers]  # The task may return one optimizer or a list of them.
-    schedulers = [build_scheduler(args, optimizer, plan) for optimizer in optimizers]
-    scaler = torch.amp.GradScaler(world.device.type, enabled=args.amp == "fp16")
-    averaged_models = build_averaged_models(args, model)
-    stateful_parts = name_parts(model, scaler, optimizers, schedulers, averaged_models)
-    # DDP: Each rank gets a random stream of its own, so that dropout differs between the ranks.
-    seed_everything(rank_seed(args, world))
-    progress = SavedProgress()
-    if checkpoint:
-        progress = restore_checkpoint(args, world, stateful_parts, path, checkpoint)
-    if checkpoint and plan.stream:
-        restore_stream(world, train_set, path, checkpoint)
-    del checkpoint  # This frees its memory before the workers fork. See copy_mapped_tensors().
-    sampler, batch_sampler, loader = make_train_loader(args, world, train_set, plan)
-    eval_loader = make_eval_loader(args, world, eval_set)
-    # Trap: The workers start now, once, before any collective. On Python before 3.12, a fork while
-    # a gloo or NCCL thread frees a finished collective can deadlock the child (CPython #112275).
-    start_workers(loader)
-    start_workers(eval_loader)
-    check_same_start(world, progress.step)
-    if world.rank == 0 and path and path.endswith(".tmp"):
-        # Trap: Every rank has read the .tmp file that a crash between atomic_save's two renames
-        # left. It takes its place now, because the next save would remove it first.
-        os.replace(path, path.removesuffix(".tmp"))
-    ddp_model = model
-    if world.world_size > 1:
-        # DDP: The wrap broadcasts rank 0's weights, and it needs no device_ids after set_device().
-        # It averages the gradients in buckets, and the gradients live in them, which saves a copy.
-        ddp_model = DDP(
-            model, find_unused_parameters=args.find_unused_parameters, gradient_as_bucket_view=True
-        )
-    train_model = ddp_model  # torch.compile wraps DDP, so DDP's buckets still split the graph.
-    if args.compile:
-        train_model = torch.compile(ddp_model)
-    if world.rank == 0:  # Rank 0 writes only now, after every check, so a mistake writes nothing.
-        os.makedirs(args.out_dir, exist_ok=True)
-    return TrainState(
-        plan=plan,
-        progress=progress,
-        raw_model=model,
-        ddp_model=ddp_model,
-        train_model=train_model,
-        stateful_parts=stateful_parts,
-        averaged_models=averaged_models,
-        optimizers=optimizers,
-        schedulers=schedulers,
-        scaler=scaler,
-        autocast=make_autocast(args, world.device),
-        sampler=sampler,
-        batch_sampler=batch_sampler,
-        loader=loader,
-        eval_loader=eval_loader,
-    )
-
-
-def name_parts(model, scaler, optimizers, schedulers, averaged_models):
+def checkpointed_parts(model, scaler, optimizers, schedulers, averaged_models):
     """Return {name: part} of every part that a checkpoint saves and restores."""
     parts = {"model": model, "scaler": scaler}
     for i, (optimizer, scheduler) in enumerate(zip(optimizers, schedulers)):
@@ -1367,7 +1393,7 @@ def build_task(args, world):
     if eval_set is None:
         eval_set = []
     stream = isinstance(train_set, torch.utils.data.IterableDataset)
-    for name, dataset in ("training", train_set), ("eval", eval_set):
+    for name, dataset in [("training", train_set), ("eval", eval_set)]:
         check(
             hasattr(dataset, "__len__") or (name == "training" and stream),
             f"the {name} set is a {type(dataset).__name__} without a length: DistributedSampler "
@@ -1462,29 +1488,6 @@ def loader_options(args, world, workers, training):
         # from the global generator, and that draw shifts the numbers that the model draws later.
         generator=torch.Generator().manual_seed(rank_seed(args, world)),
     )
-
-
-def make_train_loader(args, world, train_set, plan):
-    """Return the training DataLoader, its sampler and its batch sampler.
-
-    A stream, an IterableDataset, has neither. It gives each rank its own items, and it may ask
-    torch.distributed for the rank. It has no length, so its run is one epoch of --max-steps steps.
-    The step agreement finishes before each forward, and all ranks stop with one line when a rank's
-    stream runs out. Each checkpoint holds every rank's stream.state_dict(), so a resume needs the
-    same world size. A stream needs --workers 0, because each worker would hold a copy that no
-    checkpoint can read."""
-    options = loader_options(args, world, args.workers, training=True)
-    if plan.stream:
-        # The stream gives this rank its own items. drop_last keeps every batch whole, so a step
-        # with fewer batches means that the stream has ended.
-        return None, None, DataLoader(train_set, args.batch_size, drop_last=True, **options)
-    # DDP: Each rank reads its own share of each epoch's shuffle. drop_last makes the shares equal.
-    sampler = DistributedSampler(
-        train_set, world.world_size, world.rank, seed=args.seed, drop_last=True
-    )
-    batch_sampler = ResumableBatchSampler(sampler, args.batch_size, plan)
-    loader = DataLoader(train_set, batch_sampler=batch_sampler, **options)
-    return sampler, batch_sampler, loader
 
 
 def make_eval_loader(args, world, eval_set):
@@ -1612,14 +1615,14 @@ def round_store(timeout):
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     host = env["MASTER_ADDR"]  # This is rank 0's node, which also serves torchrun's store.
-    shared = dist.TCPStore(host, int(env["MASTER_PORT"]), timeout=timeout)
+    torchrun_store = dist.TCPStore(host, int(env["MASTER_PORT"]), timeout=timeout)
     if env["RANK"] == "0":
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        shared.set("ddp_train_round_store", str(store.port))
+        torchrun_store.set("ddp_train_round_store", str(store.port))
         return store
     deadline = time.monotonic() + timeout.total_seconds()
     while time.monotonic() < deadline:
-        port = int(shared.get("ddp_train_round_store"))
+        port = int(torchrun_store.get("ddp_train_round_store"))
         try:
             socket.create_connection((host, port), timeout=10).close()
             return dist.TCPStore(host, port, timeout=timeout)
@@ -1681,7 +1684,7 @@ def parse_args(argv=None):
     add_script_flags(parser)
     add_task_flags(parser)
     args = parser.parse_args(argv)
-    least_values = {
+    minimums = {
         "epochs": 1,
         "batch_size": 1,
         "grad_accum": 1,
@@ -1699,9 +1702,9 @@ def parse_args(argv=None):
         "timeout": 0,
         "spawn": 0,
     }
-    for name, least in least_values.items():
+    for name, least in minimums.items():
         value = getattr(args, name)
-        check(value >= least, f"--{name.replace('_', '-')} is {value}: it is at least {least}")
+        check(value >= least, f"--{name.replace('_', '-')} must be at least {least}, not {value}")
     return args
 
 
@@ -1800,7 +1803,7 @@ def destroy_process_group_gloo_last(world):
     del gloo_backend
 
 
-def free_frames(exc):
+def clear_traceback_frames(exc):
     """Trap: The frames of a traceback hold the DDP model and the loaders. Clearing them lets
     cleanup_distributed() free the model before the process group, so that an error that leaves the
     loop exits without an abort. test_no_thread_of_the_process_group_outlives_main[spawn 2-error]

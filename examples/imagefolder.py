@@ -264,12 +264,12 @@ def build_scheduler(args, optimizer, plan):
     warmup_steps = max(1, round(args.warmup_epochs * plan.steps_per_epoch))
     decay_steps = max(1, plan.total_steps - warmup_steps)
 
-    def factor(step):  # The step argument counts the optimizer steps done before this one.
+    def lr_factor(step):  # The step argument counts the optimizer steps done before this one.
         if step < warmup_steps:
             return (step + 1) / warmup_steps
         return (1 + math.cos(math.pi * (step - warmup_steps) / decay_steps)) / 2
 
-    return LambdaLR(optimizer, factor)
+    return LambdaLR(optimizer, lr_factor)
 
 
 def build_averaged_models(args, model):
