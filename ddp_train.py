@@ -332,7 +332,8 @@ class Plan:
     stream: bool  # The training set is an IterableDataset. make_train_loader() says what changes.
 
     def epoch_of(self, step):
-        """Return the epoch of a step as the records count it. The first epoch is 1, not 0."""
+        """Return the epoch of a step as the records count it. The records count epochs from 1, and
+        the loop counts them from 0, as set_epoch() takes them."""
         return math.ceil(step / self.steps_per_epoch)
 
 
@@ -581,10 +582,10 @@ def train_step(args, world, state, batches, agreement, log_now, epoch_ends):
     stream_ended = len(batches) < state.plan.grad_accum  # Only a stream ends inside an epoch.
     agreement.start(sum(counts), stream_ended)
     # DDP: The weight of the backward needs the count of all ranks. The plan knows it for samples,
-    # so the agreement runs beside the step. Tokens, or a stream, need it before the first forward.
+    # so the agreement runs beside the step. Tokens, or a stream, wait for it before any batch.
     global_items = state.plan.global_batch
-    waits_before_forward = COUNT_UNIT != "samples" or state.plan.stream
-    if waits_before_forward:
+    waits_for_count_first = COUNT_UNIT != "samples" or state.plan.stream
+    if waits_for_count_first:
         agreement.finish()
         check_agreement(agreement, state)
         global_items = max(1, agreement.global_items)  # A step of 0 tokens gets weight 0, not 0/0.
@@ -608,7 +609,7 @@ def train_step(args, world, state, batches, agreement, log_now, epoch_ends):
             # scaler scales a mean, never a sum.
             weight = count * world.world_size / global_items
             state.scaler.scale(loss * weight).backward()
-    if not waits_before_forward:
+    if not waits_for_count_first:
         agreement.finish()
         check_agreement(agreement, state)
     grad_norm = None
@@ -852,17 +853,15 @@ def evaluate_and_record(args, world, state, kind):
 
 
 def resume_records(args, world, state):
-    """All ranks finish the records of the step that the run resumes from. The records past that
-    step are deleted, because the run writes them again. A new run starts at step 0, with no
-    records.
+    """All ranks finish the step that the run resumes from, as the stopped run would have. First,
+    rank 0 deletes the records past that step, because the run writes them again.
 
-    A step saves its checkpoint before it evaluates. For example, step 100 saves, then evaluates
-    and writes its eval record, and then steps each ReduceLROnPlateau with that eval loss. A stop
-    can come between the save and the record. If metrics.jsonl lacks the record, all ranks
-    evaluate step 100 now, and rank 0 writes it. If the record is there, the plateau that the
-    checkpoint restored has not seen its eval loss. So the plateau steps now with that loss, as it
-    did in the run that wrote the record. Without a ReduceLROnPlateau, step_plateau_schedulers()
-    does nothing."""
+    A step saves its checkpoint first. Then it evaluates, writes the eval record and steps each
+    ReduceLROnPlateau with the eval loss. A stop can come after the save, so the checkpoint's
+    plateau has not seen that eval loss. If metrics.jsonl lacks the record, all ranks evaluate the
+    step now, and that steps the plateau too. If the file has the record, the plateau steps now
+    with the record's eval loss. Without a ReduceLROnPlateau, only a missing record is made. A new
+    run starts at step 0 and has nothing to finish."""
     step = state.progress.step
     records_in_file = truncate_metrics_after(args, world, step)
     kind = due_record_kind(args, state, step)
