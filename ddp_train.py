@@ -1099,13 +1099,13 @@ def save_checkpoint(args, world, state):
 
 
 def copy_mapped_tensors(optimizers):
-    """Trap: read_checkpoint() maps the checkpoint's file into memory, so that the ranks of a node
-    share its pages and do not each hold a copy. On the CPU, an optimizer that a resume restored
-    keeps tensors that read their values from that file. The next save deletes the file, and a
-    deleted file keeps its disk space while a process maps it. So before a save, each rank copies
-    those tensors into its own memory. On a GPU, the restored tensors are on the GPU, and nothing
-    is mapped. A storage that maps a file has the file's size, so torch cannot resize it. A storage
-    in the process's own memory can be resized. So `not resizable()` finds the mapped tensors."""
+    """Trap: On the CPU, a resumed optimizer's state still lives in the checkpoint's file. This is
+    because read_checkpoint() maps the file into memory instead of reading it, so that the ranks of
+    a node share its pages. The next save deletes that file, and a deleted file keeps its disk
+    space while a process maps it. So before a save, each rank copies those tensors into memory of
+    its own. torch cannot resize a tensor's storage that maps a file, because the file fixes its
+    size, and it can resize any other. So `not resizable()` finds the mapped tensors. On a GPU,
+    the restored state is on the GPU, and nothing stays mapped."""
     for optimizer in optimizers:
         for values in optimizer.state.values():
             for key, value in values.items():
@@ -1783,8 +1783,10 @@ def one_line(exc):
 # init_process_group, and then each default keeps a reference to our process group. So the group
 # is never freed, and gloo's threads live until the interpreter exits. There they can abort a run
 # that has already saved ("terminate called"). This line runs when this file is imported, before
-# main() makes any group, so each default holds None. test_no_thread_of_the_process_group_outlives_
-# main guards it. Without this import, that test fails on torch 2.13 and 2.15, and not on 2.4.1.
+# main() makes any group, so each default holds None. Its place at the end of the file does not
+# matter, because Python runs it when it imports the file, before main() runs.
+# test_no_thread_of_the_process_group_outlives_main guards it. Without this import, that test fails
+# on torch 2.13 and 2.15, and not on 2.4.1.
 import torch.distributed.nn.functional  # noqa: E402, F401
 
 
