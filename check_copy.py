@@ -775,8 +775,9 @@ def check_launch_modes(c: CopyCheck) -> Verdict:
     return Verdict(1, "pass", figure)
 
 
-def neutralised(n: dict, train: dict, autocast: bool, clipping: bool) -> str:
+def neutralised(p: dict, train: dict, autocast: bool, clipping: bool) -> str:
     """Return what check 2's launches neutralised, for the check's line."""
+    n = p["neutral"]
     parts = [f"{kind} x {count} at fixed statistics" for kind, count in n["batch_norms"].items()]
     if n["dropouts"]:
         parts.append(f"Dropout x {n['dropouts']} off")
@@ -788,6 +789,8 @@ def neutralised(n: dict, train: dict, autocast: bool, clipping: bool) -> str:
     parts += [f"the dropout of {name} off" for name in n["functions"]]
     if train["random_reads"] and not train["own_draws"]:
         parts.append("the Dataset's draws seeded per item")
+    if p["collate_mixes"] and not p["neutral_collate_mixes"]:
+        parts.append("collate_fn's mixing off, as the eval loader calls it with training=False")
     return ", ".join(parts)
 
 
@@ -805,8 +808,8 @@ def differs_by_design(p: dict, train: dict) -> str:
     if n["random"]:
         call = f" ({n['random_call']})" if n["random_call"] else ""
         why.append(f"your model or compute_loss draws random numbers in training{call}")
-    if p["collate_mixes"]:
-        why.append("your collate_fn mixes the items of a batch (mixup or cutmix?)")
+    if p["neutral_collate_mixes"]:
+        why.append("your collate_fn mixes the items of a batch, even with training=False")
     if train["own_draws"]:
         why.append("your Dataset draws from generators of its own, which the check cannot seed")
     return "; ".join(why) + (": each process its own, by design" if why else "")
@@ -851,7 +854,7 @@ def check_equivalence(c: CopyCheck) -> Verdict:
     control = weights_gap(c.results["grad_x2"].weights, one_process)
     p, train = c.probe(), c.data("single", 0)["train"]
     neutral = neutralised(
-        p["neutral"],
+        p,
         train,
         autocast=bool(c.lines("single", "autocast.0")),
         clipping=bool(c.lines("single", "clipping.0")),
@@ -879,7 +882,8 @@ def check_equivalence(c: CopyCheck) -> Verdict:
     # A loss that mixes items does not do so by design.
     if design and not loss_mixes_items(p):
         n = p["neutral"]
-        only_draws = n["random"] and not (n["stateful"] or p["collate_mixes"] or train["own_draws"])
+        mixes = n["stateful"] or p["neutral_collate_mixes"] or train["own_draws"]
+        only_draws = n["random"] and not mixes
         if not only_draws or max(gap.values()) <= tolerance:
             return Verdict(2, "n/a", f"{figure}: {design}")
         # Another seed of the same launch shows how far the draws alone move the weights.
@@ -953,10 +957,10 @@ def check_mean(c: CopyCheck) -> Verdict:
     if n["random"]:
         call = f" ({n['random_call']})" if n["random_call"] else ""
         not_recomputed = f"training draws random numbers{call}"
-    elif p["collate_mixes"] or own_draws:
-        not_recomputed = (
-            "collate_fn mixes the items" if p["collate_mixes"] else "the Dataset draws its own"
-        )
+    elif p["neutral_collate_mixes"]:
+        not_recomputed = "collate_fn mixes the items"
+    elif own_draws:
+        not_recomputed = "the Dataset draws its own"
     elif check_same_data(c).status == "FAIL":
         not_recomputed = "the ranks' data differ (see 4)"
     else:

@@ -410,6 +410,8 @@ def install(target):
         switch_off_dropout()
         switch_off_autocast()
         switch_off_clipping()
+        if hasattr(target, "collate_fn"):
+            target.collate_fn = collating_as_in_evaluation(target.collate_fn)
     # Plain SGD at the check's rate times CHECK_SGD lets the scale of a gradient show.
     if "CHECK_SGD" in env:
 
@@ -422,6 +424,16 @@ def install(target):
 
         target.build_optimizer, target.build_scheduler = build_optimizer, build_scheduler
     return task
+
+
+def collating_as_in_evaluation(collate_fn):
+    """Return a collate_fn that collates every batch as the eval loader does. A collate_fn that
+    mixes items only in training, as mixup does through the seam, then mixes none."""
+
+    def collate_fn_of_evaluation(items, args=None, training=False):
+        return call_task(collate_fn, items, args, False)
+
+    return collate_fn_of_evaluation
 
 
 def loss_and_count(task, output, batch):
@@ -660,7 +672,8 @@ def calibrate_batch_norms(target, task, argv):
     if not norms:
         return {}
     batch_size = int(env["CHECK_GLOBAL_BATCH"])
-    collate_training = collate(target, args, True)
+    # The launches collate as the eval loader does, and so does the calibration.
+    collate_neutral = collate(target, args, False)
     for module in norms.values():
         module.reset_running_stats()
         module.momentum = None  # None gives a cumulative average over the batches.
@@ -670,7 +683,7 @@ def calibrate_batch_norms(target, task, argv):
         with torch.no_grad():
             for start in range(0, len(train_set), batch_size):
                 indices = list(range(start, min(start + batch_size, len(train_set))))
-                batch = collate_training(read_items(train_set.dataset, indices))
+                batch = collate_neutral(read_items(train_set.dataset, indices))
                 call_task(task["compute_loss"], model, batch, args)
     finally:
         restore()
@@ -764,6 +777,8 @@ def probe(target, task, argv, inputs):
         )[0]
         found["loss_2b_over_b"] = both / halves if halves else 1.0
         found["collate_mixes"] = collate_mixes(losses.collate_fn, train_set, items)
+        # Check 2's launches collate as the eval loader does, which leaves mixup out.
+        found["neutral_collate_mixes"] = collate_mixes(eval_losses.collate_fn, train_set, items)
         # The eval loss uses single's final weights, with each eval item alone. A compute_loss that
         # draws noise in evaluation, as a denoiser's does, gives another loss from another state.
         if eval_set is not None and len(eval_set):
@@ -776,14 +791,14 @@ def probe(target, task, argv, inputs):
             )
     found["load_error"] = load_error(task["build_model"](args), final)
     statistics = calibrate_batch_norms(target, task, argv)
-    found["neutral"] = neutral_figures(losses, inputs, train_set, statistics)
+    found["neutral"] = neutral_figures(eval_losses, inputs, train_set, statistics)
     return found
 
 
 def neutral_figures(losses, inputs, train_set, statistics):
     """Return what check 2's launches neutralise, and what still differs from process to process
-    there. The launches hold BatchNorm at the calibrated statistics, switch dropout off, and read
-    each item from its own random state."""
+    there. The launches hold BatchNorm at the calibrated statistics, switch dropout off, read each
+    item from its own random state, and collate as the eval loader does."""
     neutral = Losses(losses.args, losses.task, losses.collate_fn, statistics)
     initial, micro_batch = inputs["initial"], inputs["first_step"][0]
     model = neutral.model(initial, True)
@@ -957,7 +972,7 @@ def sgd_rate(target, task, argv, statistics):
     global_batch = int(env["CHECK_GLOBAL_BATCH"])
     starts = range(0, size, global_batch)
     batches = [
-        collate(target, args, True)(read(train_set, list(range(i, min(i + global_batch, size)))))
+        collate(target, args, False)(read(train_set, list(range(i, min(i + global_batch, size)))))
         for i in starts
     ]
     training_loss(task, model, batches[0], args).backward()
