@@ -789,7 +789,7 @@ def neutralised(p: dict, train: dict, autocast: bool, clipping: bool) -> str:
     parts += [f"the dropout of {name} off" for name in n["functions"]]
     if train["random_reads"] and not train["own_draws"]:
         parts.append("the Dataset's draws seeded per item")
-    if p["collate_mixes"] and not p["neutral_collate_mixes"]:
+    if p["training_collate_mixes"] and not p["collate_mixes"]:
         parts.append("collate_fn's mixing off, as the eval loader calls it with training=False")
     return ", ".join(parts)
 
@@ -808,7 +808,7 @@ def differs_by_design(p: dict, train: dict) -> str:
     if n["random"]:
         call = f" ({n['random_call']})" if n["random_call"] else ""
         why.append(f"your model or compute_loss draws random numbers in training{call}")
-    if p["neutral_collate_mixes"]:
+    if p["collate_mixes"]:
         why.append("your collate_fn mixes the items of a batch, even with training=False")
     if train["own_draws"]:
         why.append("your Dataset draws from generators of its own, which the check cannot seed")
@@ -817,9 +817,9 @@ def differs_by_design(p: dict, train: dict) -> str:
 
 def loss_mixes_items(p: dict) -> bool:
     """Return whether, in evaluation, a batch's loss differs from the count-weighted mean of its
-    items' losses. A sum or a mean of means makes it differ. A collate_fn that mixes items, or a
-    compute_loss that draws random numbers in evaluation, makes it differ too, and then the check
-    cannot tell."""
+    items' losses. A sum or a mean of means makes it differ. A collate_fn that mixes items even with
+    training=False, or a compute_loss that draws random numbers in evaluation, makes it differ too,
+    and then the check cannot tell."""
     if p["collate_mixes"] or p["eval_random"]:
         return False
     return relative(p["batch_over_items"], 1.0) > TOLERANCE
@@ -882,8 +882,7 @@ def check_equivalence(c: CopyCheck) -> Verdict:
     # A loss that mixes items does not do so by design.
     if design and not loss_mixes_items(p):
         n = p["neutral"]
-        mixes = n["stateful"] or p["neutral_collate_mixes"] or train["own_draws"]
-        only_draws = n["random"] and not mixes
+        only_draws = n["random"] and not (n["stateful"] or p["collate_mixes"] or train["own_draws"])
         if not only_draws or max(gap.values()) <= tolerance:
             return Verdict(2, "n/a", f"{figure}: {design}")
         # Another seed of the same launch shows how far the draws alone move the weights.
@@ -957,7 +956,7 @@ def check_mean(c: CopyCheck) -> Verdict:
     if n["random"]:
         call = f" ({n['random_call']})" if n["random_call"] else ""
         not_recomputed = f"training draws random numbers{call}"
-    elif p["neutral_collate_mixes"]:
+    elif p["collate_mixes"]:
         not_recomputed = "collate_fn mixes the items"
     elif own_draws:
         not_recomputed = "the Dataset draws its own"

@@ -4,6 +4,7 @@ for is installed around the task functions. The wrapper's own files go to CHECK_
 
 import collections
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -203,6 +204,13 @@ class RecordedLoader(DataLoader):
     def __init__(self, *args, **kwargs):
         bound = inspect.signature(DataLoader).bind(*args, **kwargs).arguments
         dataset = bound["dataset"]
+        # Check 2's launches collate as the eval loader does, so that a mixup in collate_fn is off.
+        # The script's loaders pass collate_fn as a partial with the keyword training.
+        collate_fn = bound.get("collate_fn")
+        partial = isinstance(collate_fn, functools.partial)
+        if NEUTRAL and partial and "training" in collate_fn.keywords:
+            keywords = {**collate_fn.keywords, "training": False}
+            bound["collate_fn"] = functools.partial(collate_fn.func, *collate_fn.args, **keywords)
         self.tag = dataset.tag if isinstance(dataset, Recorded) else None
         # With a tag, its batch sampler, or the one that DataLoader would make, goes into a
         # TakenBatches.
@@ -410,8 +418,6 @@ def install(target):
         switch_off_dropout()
         switch_off_autocast()
         switch_off_clipping()
-        if hasattr(target, "collate_fn"):
-            target.collate_fn = collating_as_in_evaluation(target.collate_fn)
     # Plain SGD at the check's rate times CHECK_SGD lets the scale of a gradient show.
     if "CHECK_SGD" in env:
 
@@ -424,16 +430,6 @@ def install(target):
 
         target.build_optimizer, target.build_scheduler = build_optimizer, build_scheduler
     return task
-
-
-def collating_as_in_evaluation(collate_fn):
-    """Return a collate_fn that collates every batch as the eval loader does. A collate_fn that
-    mixes items only in training, as mixup does through the seam, then mixes none."""
-
-    def collate_fn_of_evaluation(items, args=None, training=False):
-        return call_task(collate_fn, items, args, False)
-
-    return collate_fn_of_evaluation
 
 
 def loss_and_count(task, output, batch):
@@ -750,8 +746,8 @@ def probe(target, task, argv, inputs):
     # first items. The model and compute_loss are the user's own, from task.
     train_set, eval_set = target.build_datasets(args)
     train_set.kept = {}  # Each figure below compares losses over the same items, read once.
-    losses = Losses(args, task, collate(target, args, True))
-    eval_losses = Losses(args, task, collate(target, args, False))
+    # Every figure collates as the eval loader does, with training=False, as check 2's launches do.
+    losses = Losses(args, task, collate(target, args, False))
     initial, final, micro_batches = inputs["initial"], inputs["final"], inputs["first_step"]
     items = [i for batch in micro_batches for i in batch]
     each = [[i] for i in items]
@@ -776,22 +772,22 @@ def probe(target, task, argv, inputs):
             initial, False, train_set, [items[: len(items) // 2], items[len(items) // 2 :]]
         )[0]
         found["loss_2b_over_b"] = both / halves if halves else 1.0
+        # A collate_fn that mixes only in training, as mixup does, mixes nothing in the figures.
+        found["training_collate_mixes"] = collate_mixes(
+            collate(target, args, True), train_set, items
+        )
         found["collate_mixes"] = collate_mixes(losses.collate_fn, train_set, items)
-        # Check 2's launches collate as the eval loader does, which leaves mixup out.
-        found["neutral_collate_mixes"] = collate_mixes(eval_losses.collate_fn, train_set, items)
         # The eval loss uses single's final weights, with each eval item alone. A compute_loss that
         # draws noise in evaluation, as a denoiser's does, gives another loss from another state.
         if eval_set is not None and len(eval_set):
             evaluated = inputs["evaluated"]
-            draws = [eval_losses.mean(evaluated, False, eval_set, [[0]], seed=s)[0] for s in (1, 2)]
+            draws = [losses.mean(evaluated, False, eval_set, [[0]], seed=s)[0] for s in (1, 2)]
             found["eval_random"] = draws[0] != draws[1]
             per_item = [[i] for i in range(len(eval_set))]
-            (found["eval_loss"], _), _ = eval_losses.mean_float64(
-                evaluated, False, eval_set, per_item
-            )
+            (found["eval_loss"], _), _ = losses.mean_float64(evaluated, False, eval_set, per_item)
     found["load_error"] = load_error(task["build_model"](args), final)
     statistics = calibrate_batch_norms(target, task, argv)
-    found["neutral"] = neutral_figures(eval_losses, inputs, train_set, statistics)
+    found["neutral"] = neutral_figures(losses, inputs, train_set, statistics)
     return found
 
 

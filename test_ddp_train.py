@@ -2174,14 +2174,24 @@ ddp_train.build_model = lambda args: Annealed(model_default(args))
             "tinylm.py",
         ),
     ),
-    # This runs imagefolder, whose mixup mixes the items of a batch, on the same ddp_train.py. Step 1
-    # cannot be recomputed item by item, but the ranks' own losses of step 1 still give its mean.
+    # This runs imagefolder, whose mixup mixes the items of a batch, on the same ddp_train.py. Check
+    # 2's launches turn the mixup off, so step 1 is recomputed item by item.
     "no-loss-all-reduce-mixup": (
         {3: "all_reduce left out"},
         (
             "        dist.all_reduce(values)  # DDP: Add up every rank's sums and counts.",
             "        pass  # (no all_reduce)",
             "imagefolder.py",
+        ),
+    ),
+    # A loss that draws noise cannot be recomputed item by item. The losses that the ranks computed
+    # in step 1 still give its mean.
+    "no-loss-all-reduce-noisy": (
+        {3: "all_reduce left out"},
+        (
+            "        dist.all_reduce(values)  # DDP: Add up every rank's sums and counts.",
+            "        pass  # (no all_reduce)",
+            NOISY_LOSS,
         ),
     ),
     # A report() that fails names its exception, and not torchrun's banner.
