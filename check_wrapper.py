@@ -205,10 +205,13 @@ class RecordedLoader(DataLoader):
         bound = inspect.signature(DataLoader).bind(*args, **kwargs).arguments
         dataset = bound["dataset"]
         # Check 2's launches collate as the eval loader does, so that a mixup in collate_fn is off.
-        # The script's loaders pass collate_fn as a partial with the keyword training.
+        # The script's loaders pass collate_fn as a partial with the keyword training. An older copy
+        # passes collate_fn alone, and then it has no training flag to change.
         collate_fn = bound.get("collate_fn")
-        partial = isinstance(collate_fn, functools.partial)
-        if NEUTRAL and partial and "training" in collate_fn.keywords:
+        takes_training = (
+            isinstance(collate_fn, functools.partial) and "training" in collate_fn.keywords
+        )
+        if NEUTRAL and takes_training:
             keywords = {**collate_fn.keywords, "training": False}
             bound["collate_fn"] = functools.partial(collate_fn.func, *collate_fn.args, **keywords)
         self.tag = dataset.tag if isinstance(dataset, Recorded) else None
@@ -772,7 +775,8 @@ def probe(target, task, argv, inputs):
             initial, False, train_set, [items[: len(items) // 2], items[len(items) // 2 :]]
         )[0]
         found["loss_2b_over_b"] = both / halves if halves else 1.0
-        # A collate_fn that mixes only in training, as mixup does, mixes nothing in the figures.
+        # The figures do not mix where only the training collate_fn mixes, as mixup does. Then the
+        # line of check 2 says that its launches turned the mixing off.
         found["training_collate_mixes"] = collate_mixes(
             collate(target, args, True), train_set, items
         )
