@@ -127,8 +127,8 @@ def collate_fn(items, args, training):
     """Turn what the Dataset gave for a batch into the batch. A list of items goes through
     default_collate, which stacks them, and items of different shapes need a collate_fn that pads,
     as in examples/tinylm.py. InMemory gives a whole batch as a tuple of tensors, which stays.
-    The args hold the flags. training is False in the eval loader, so that a batch augmentation,
-    such as mixup, stays in training."""
+    The args hold the flags. training is True in the training loader and False in the eval
+    loader. So a batch augmentation, such as mixup, can run in training only."""
     if isinstance(items, tuple):  # InMemory gave the whole batch already.
         return items
     return default_collate(items)
@@ -315,9 +315,8 @@ def cleanup_distributed(world):
 # ====== 3. The loop: read this section first ======================================================
 # main(), setup_training(), train() and train_step() are the tutorials' loop, in torch's own names.
 # setup_training() builds the DistributedSampler, the DataLoader and DDP(...). After each step,
-# train() runs the loss all_reduce, the progress record, rank 0's save of model.pt at the end, the
-# checkpoint, report(), the stop and the evaluation, in this order. Its comments say why. The state
-# that the loop keeps comes before them.
+# after_step() runs the loss all_reduce, the progress record, model.pt, the checkpoint, report(),
+# the stop and the evaluation, in this order. The state that the loop keeps comes first.
 
 
 @dataclasses.dataclass
@@ -383,7 +382,7 @@ class SavedProgress:
 @dataclasses.dataclass
 class TrainState:
     """Everything that training holds. setup_training() makes it. Then only the loop changes it,
-    and the functions that the loop calls: train_step(), all_reduce_losses(), and
+    and the functions that the loop calls: train_step(), after_step(), all_reduce_losses(), and
     evaluate_and_record(), which steps a ReduceLROnPlateau."""
 
     plan: Plan
@@ -452,10 +451,7 @@ def setup_training(args, world):
     start_workers(loader)
     start_workers(eval_loader)
     check_same_start(world, progress.step)
-    if world.rank == 0 and path and path.endswith(".tmp"):
-        # Trap: Every rank has read the .tmp file that a crash between atomic_save's two renames
-        # left. It takes its place now, because the next save would remove it first.
-        os.replace(path, path.removesuffix(".tmp"))
+    promote_tmp_checkpoint(world, path)  # Trap: Every rank has read the checkpoint by now.
     ddp_model = model
     if world.world_size > 1:
         # DDP: The wrap broadcasts rank 0's weights, and it needs no device_ids after set_device().
@@ -463,7 +459,9 @@ def setup_training(args, world):
         ddp_model = DDP(
             model, find_unused_parameters=args.find_unused_parameters, gradient_as_bucket_view=True
         )
-    train_model = ddp_model  # torch.compile wraps DDP, so DDP's buckets still split the graph.
+    train_model = ddp_model
+    # We compile the DDP model, not the model inside it. Then torch.compile splits its graph where
+    # DDP's buckets end, so each bucket's all-reduce still overlaps the rest of the backward.
     if args.compile:
         train_model = torch.compile(ddp_model)
     if world.rank == 0:  # Rank 0 writes only now, after every check, so a mistake writes nothing.
@@ -542,34 +540,50 @@ def train(args, world):
             progress.lr = lr
             progress.epoch_seconds = saved_seconds + time.perf_counter() - epoch_started
             throughput.add(agreement.global_items)  # This counts the step's items on all ranks.
-            periodic_save = args.save_every > 0 and step % args.save_every == 0
-            record_kind = due_record_kind(args, state, step)  # It is "epoch", "eval" or None.
-            save_now = periodic_save or record_kind is not None or agreement.should_stop
-            # A record and a save both need the losses of all ranks. A checkpoint holds their sums.
-            if log_now or save_now:
-                sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
-                check_finite(sums["loss"], state.raw_model, step)
-            if log_now:
-                record = progress_record(plan, progress, grad_norm, throughput)
-                write_record(args, world, record, plan.total_steps)
-                progress.totals_since_log = Totals()
-            # model.pt comes before the final checkpoint. A kill between them leaves a run that the
-            # rerun finishes, and a rerun of a finished run writes model.pt again.
-            if step == plan.total_steps and world.rank == 0:  # DDP: Only rank 0 writes.
-                save_weights(args, state)
-            # A step saves before its evaluation, so a kill during the evaluation loses no step.
-            if save_now:
-                save_checkpoint(args, world, state)
-            if log_now and world.rank == 0:  # report() gets the record after the save of its step.
-                report(record, args, state.raw_model)
-            if agreement.should_stop and step < plan.total_steps:
-                agreement.restore_signal_handlers()
-                log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
+            stopped = after_step(args, world, state, agreement, throughput, grad_norm, log_now)
+            if stopped:
                 return EXIT_STOPPED  # The rerun runs the evaluation that the stop skipped.
-            if record_kind is not None:
-                evaluate_and_record(args, world, state, record_kind)
     agreement.restore_signal_handlers()
     return end_run(args, world, state)
+
+
+def after_step(args, world, state, agreement, throughput, grad_norm, log_now):
+    """All ranks finish a step, and return whether the run stops after it. The numbered comments
+    give the order, and they say why each comes where it does."""
+    step = state.progress.step
+    plan = state.plan
+    periodic_save = args.save_every > 0 and step % args.save_every == 0
+    record_kind = due_record_kind(args, state, step)  # It is "epoch", "eval" or None.
+    save_now = periodic_save or record_kind is not None or agreement.should_stop
+    # 1. A record and a checkpoint both need the losses of all ranks. A checkpoint holds their sums.
+    if log_now or save_now:
+        sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
+        check_finite(sums["loss"], state.raw_model, step)
+    # 2. The progress record reaches metrics.jsonl before the save, so a crash cannot lose it.
+    if log_now:
+        record = progress_record(plan, state.progress, grad_norm, throughput)
+        write_record(args, world, record, plan.total_steps)
+        state.progress.totals_since_log = Totals()
+    # 3. The final checkpoint marks the run as finished, so model.pt comes before it. After a kill
+    # between the two, the rerun trains the last steps again and writes both files. A rerun that
+    # finds the final checkpoint writes model.pt again from it.
+    if step == plan.total_steps and world.rank == 0:  # DDP: Only rank 0 writes.
+        save_weights(args, state)
+    # 4. The save comes before the evaluation, so a kill during the evaluation loses no step.
+    if save_now:
+        save_checkpoint(args, world, state)
+    # 5. report() comes after the save, so that a logger can read the checkpoint of its step.
+    if log_now and world.rank == 0:
+        report(record, args, state.raw_model)
+    # 6. A stop skips the evaluation, and the rerun runs it. resume_records() says how.
+    if agreement.should_stop and step < plan.total_steps:
+        agreement.restore_signal_handlers()
+        log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
+        return True
+    # 7. The evaluation and its record come last.
+    if record_kind is not None:
+        evaluate_and_record(args, world, state, record_kind)
+    return False
 
 
 def train_step(args, world, state, batches, agreement, log_now, epoch_ends):
@@ -722,17 +736,17 @@ def all_reduce_losses(world, state):
     tutorials' loss all_reduce. It is the one place where training reads the device, and only the
     steps that log, evaluate or save reach it. It adds with SUM, because gloo does not support AVG
     on every torch version."""
-    names = list(state.unreduced_sums)
-    values = [state.unreduced_sums[name].to(world.device) for name in names]
-    # The count rides in the same tensor. A float64 holds every count below 2**53 exactly.
-    values.append(torch.tensor(state.unreduced_count, dtype=torch.float64, device=world.device))
-    values = torch.stack(values)
+    # One all_reduce adds up the sums and the count together. The count goes in under the name of
+    # its unit, which no metric may take. A float64 holds every count below 2**53 exactly.
+    count = torch.tensor(state.unreduced_count, dtype=torch.float64, device=world.device)
+    local = {**state.unreduced_sums, COUNT_UNIT: count}
+    values = torch.stack([value.to(world.device) for value in local.values()])
     if world.world_size > 1:
         dist.all_reduce(values)  # DDP: Add up every rank's sums and counts.
-    *sum_values, count = values.tolist()
-    sums = dict(zip(names, sum_values))
-    state.progress.epoch_totals.add(sums, int(count))
-    state.progress.totals_since_log.add(sums, int(count))
+    sums = dict(zip(local, values.tolist()))
+    count = int(sums.pop(COUNT_UNIT))
+    state.progress.epoch_totals.add(sums, count)
+    state.progress.totals_since_log.add(sums, count)
     state.unreduced_sums = {}
     state.unreduced_count = 0
     return sums
@@ -853,15 +867,17 @@ def evaluate_and_record(args, world, state, kind):
 
 
 def resume_records(args, world, state):
-    """All ranks finish the step that the run resumes from, as the stopped run would have. First,
-    rank 0 deletes the records past that step, because the run writes them again.
+    """All ranks finish the step that the run resumes from, as the stopped run would have.
 
-    A step saves its checkpoint first. Then it evaluates, writes the eval record and steps each
-    ReduceLROnPlateau with the eval loss. A stop can come after the save, so the checkpoint's
-    plateau has not seen that eval loss. If metrics.jsonl lacks the record, all ranks evaluate the
-    step now, and that steps the plateau too. If the file has the record, the plateau steps now
-    with the record's eval loss. Without a ReduceLROnPlateau, only a missing record is made. A new
-    run starts at step 0 and has nothing to finish."""
+    First, rank 0 deletes the records past that step from metrics.jsonl, because this run writes
+    them again. Then the step's own eval or epoch record needs care. after_step() saves the
+    checkpoint before it evaluates, so a run can stop after the save and before the record. There
+    are two cases.
+    - metrics.jsonl lacks the step's record. All ranks evaluate the step now, and rank 0 writes the
+      record. This also steps each ReduceLROnPlateau.
+    - metrics.jsonl has the record. Nothing is evaluated again. But the saved ReduceLROnPlateau has
+      not seen the record's eval loss, so it steps with that loss now.
+    A new run starts at step 0, and a step without an eval or epoch record has nothing to finish."""
     step = state.progress.step
     records_in_file = truncate_metrics_after(args, world, step)
     kind = due_record_kind(args, state, step)
@@ -1099,13 +1115,13 @@ def save_checkpoint(args, world, state):
 
 
 def copy_mapped_tensors(optimizers):
-    """Trap: On the CPU, a resumed optimizer's state still lives in the checkpoint's file. This is
-    because read_checkpoint() maps the file into memory instead of reading it, so that the ranks of
-    a node share its pages. The next save deletes that file, and a deleted file keeps its disk
-    space while a process maps it. So before a save, each rank copies those tensors into memory of
-    its own. torch cannot resize a tensor's storage that maps a file, because the file fixes its
-    size, and it can resize any other. So `not resizable()` finds the mapped tensors. On a GPU,
-    the restored state is on the GPU, and nothing stays mapped."""
+    """Trap: Before a save, each rank copies the optimizer's tensors that still map the old
+    checkpoint's file into memory of its own. The next save deletes that file, but a deleted file
+    keeps its disk space while a process maps it. read_checkpoint() maps the file, so that the
+    ranks of a node share its pages. On the CPU, a resumed optimizer keeps the mapped tensors as its
+    state. On a GPU, the state moves to the GPU, and nothing stays mapped. torch cannot resize the
+    storage of a tensor that maps a file, because the file fixes its size. So `not resizable()`
+    finds the mapped tensors."""
     for optimizer in optimizers:
         for values in optimizer.state.values():
             for key, value in values.items():
@@ -1132,18 +1148,11 @@ def restore_checkpoint(args, world, stateful_parts, path, checkpoint):
     saved_ranks = len(checkpoint["rng"])
     if saved_ranks == world.world_size:
         set_rng_state(checkpoint["rng"][world.rank])
-    saved = checkpoint["progress"]
-    progress = SavedProgress(
-        step=saved["step"],
-        lr=saved["lr"],
-        epoch_totals=Totals(**saved["epoch_totals"]),
-        totals_since_log=Totals(**saved["totals_since_log"]),
-        epoch_seconds=saved["epoch_seconds"],
-    )
-    log(
-        f"resumed from {path} at step {progress.step}, "
-        f"saved by {len(checkpoint['rng'])} process(es)"
-    )
+    progress = SavedProgress(**checkpoint["progress"])
+    # dataclasses.asdict() saved each Totals as a dict, and these lines make them Totals again.
+    progress.epoch_totals = Totals(**progress.epoch_totals)
+    progress.totals_since_log = Totals(**progress.totals_since_log)
+    log(f"resumed from {path} at step {progress.step}, saved by {saved_ranks} process(es)")
     changed = []
     for name, value in vars(args).items():
         saved_value = checkpoint["args"].get(name, value)  # A flag that the run lacked is the same.
@@ -1211,6 +1220,14 @@ def read_checkpoint(out_dir):
         f"{'. '.join(problems)}. Move it away to start over, or pass another --out-dir",
     )
     return None, None
+
+
+def promote_tmp_checkpoint(world, path):
+    """Trap: A crash between atomic_save's two renames leaves the newest checkpoint in
+    checkpoint.pt.tmp, and read_checkpoint() takes it. The next save deletes any .tmp file before
+    it writes. So rank 0 renames the file to checkpoint.pt first, once every rank has read it."""
+    if world.rank == 0 and path and path.endswith(".tmp"):
+        os.replace(path, path.removesuffix(".tmp"))
 
 
 def atomic_save(obj, path, previous=None):
@@ -1321,6 +1338,7 @@ class StepAgreement:
 
     def start(self, rank_items, stream_ended):
         """Send this rank's signals, its count of items and whether its stream has ended."""
+        # The all-reduce adds up each of the three numbers, and finish() reads them in this order.
         self.numbers = torch.tensor([len(self.signals), rank_items, int(stream_ended)])
         if self.world.world_size > 1:
             # DDP: This adds with SUM, and it runs while the step computes.
@@ -1585,10 +1603,8 @@ def wait_for_workers(workers):
                 if worker not in codes:
                     worker.kill()
     failures = [code for code in codes.values() if code not in (0, EXIT_STOPPED)]
-    if not failures and EXIT_STOPPED in codes.values():
-        return EXIT_STOPPED
     if not failures:
-        return 0
+        return EXIT_STOPPED if EXIT_STOPPED in codes.values() else 0
     first_failure = failures[0]
     if first_failure < 0:
         # A worker that a signal N killed returns -N, and a shell writes that as 128 + N.
@@ -1597,19 +1613,20 @@ def wait_for_workers(workers):
 
 
 def round_store(timeout):
-    """Return a store for this round of workers alone, so that a restarted run does not wait for
-    workers that are gone. A store is the key-value server where the processes find each other
-    when they join the process group. A round is one start of the workers, and torchrun starts a
-    new round at each restart and each change of nodes. Without torchrun's shared store, it
-    returns None.
+    """Return a store for this round of workers alone, or None outside torchrun.
+
+    A store is the key-value server where the processes find each other when they join the
+    process group. A round is one start of the workers. torchrun starts a new round at each
+    restart and at each change of nodes.
 
     Trap: torchrun 2.5 and later keeps one store for all the rounds of a job. The keys that the
     old round's process group wrote are still there, and a new round would read them and wait for
-    workers that are gone (pytorch/pytorch#135712). So each round makes a store of its own.
-    Rank 0 serves a new, empty store on a free port, and it writes the port into torchrun's store.
-    The other ranks read the port there, and the read waits until some round has written it. They
-    may read the old round's port before rank 0 writes the new one, but that port refuses them,
-    because the old rank 0 has exited. So they retry."""
+    workers that are gone (pytorch/pytorch#135712). So each round makes a store of its own:
+    1. Rank 0 serves a new, empty store on a free port.
+    2. Rank 0 writes that port into torchrun's store, under one key that every round uses.
+    3. The other ranks read the port from that key. The read waits until some round has written it.
+    4. A rank may read the old round's port, if it reads before rank 0 writes the new one. That
+       port refuses the connection, because the old rank 0 has exited. So the rank reads again."""
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
@@ -1717,16 +1734,12 @@ def add_script_flags(parser):
     parser.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warmup")
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's, on matrices")
-    parser.add_argument(
-        "--clip-grad-norm", type=float, default=0.0, help="max gradient norm (0: off)"
-    )
+    parser.add_argument("--clip-grad-norm", type=float, default=0.0, help="max norm (0: off)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the data, weights and shuffle")
     parser.add_argument(
         "--out-dir", default=f"out/{PROG.removesuffix('.py')}", help="rank 0's files"
     )
-    parser.add_argument(
-        "--log-every", type=int, default=100, help="steps per progress line (0: off)"
-    )
+    parser.add_argument("--log-every", type=int, default=100, help="steps per record (0: off)")
     parser.add_argument("--eval-every", type=int, default=0, help="steps (0: at epoch ends only)")
     parser.add_argument("--save-every", type=int, default=500, help="steps (0: at epoch ends)")
     parser.add_argument("--eval-only", action=switch, default=False, help="evaluate, then exit")
@@ -1734,9 +1747,7 @@ def add_script_flags(parser):
     parser.add_argument("--compile", action=switch, default=False, help="compile the DDP model")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per process")
     parser.add_argument("--eval-workers", type=int, default=0, help="the eval DataLoader's")
-    parser.add_argument(
-        "--find-unused-parameters", action=switch, default=False, help="DDP's option"
-    )
+    parser.add_argument("--find-unused-parameters", action=switch, default=False, help="DDP's flag")
     parser.add_argument("--sync-bn", action=switch, default=False, help="SyncBatchNorm on GPUs")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for peers")
     parser.add_argument("--spawn", type=int, default=0, help="start N processes on this machine")
@@ -1779,14 +1790,12 @@ def one_line(exc):
 
 # Trap: Keep this import, although nothing here uses it. It prevents an abort at exit. The functions
 # of torch.distributed.nn.functional have the default argument group=group.WORLD, and Python
-# computes a default once, when it imports a module. DDP imports this module after
-# init_process_group, and then each default keeps a reference to our process group. So the group
-# is never freed, and gloo's threads live until the interpreter exits. There they can abort a run
-# that has already saved ("terminate called"). This line runs when this file is imported, before
-# main() makes any group, so each default holds None. Its place at the end of the file does not
-# matter, because Python runs it when it imports the file, before main() runs.
-# test_no_thread_of_the_process_group_outlives_main guards it. Without this import, that test fails
-# on torch 2.13 and 2.15, and not on 2.4.1.
+# computes a default once, when it imports a module. If DDP imported this module after
+# init_process_group, each default would keep a reference to our process group. Then gloo's
+# threads would live until the interpreter exits, and there they can abort a run that has already
+# saved ("terminate called"). Python runs this line when it imports this file, before main() makes
+# any group, so each default holds None. test_no_thread_of_the_process_group_outlives_main guards
+# it. Without this import, that test fails on torch 2.13 and 2.15, and not on 2.4.1.
 import torch.distributed.nn.functional  # noqa: E402, F401
 
 
