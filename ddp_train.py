@@ -102,8 +102,9 @@ def build_datasets(args):
     rank builds the same ones. The eval_set may be None or empty, and then nothing is evaluated.
     The train_set may be a stream instead, as make_train_loader() says and examples/stream.py
     shows. args.rank and args.local_rank say where this process is. So the local rank 0 of each
-    node can download the data, while the other ranks wait for its files, as the README's cached.py
-    shows. Trap: Do not wait at a dist.barrier() here, because the DataLoader workers fork later."""
+    node can download the data, while the other ranks wait for its files, as cached.py in
+    docs/recipes.md shows. Trap: Do not wait at a dist.barrier() here. On Python before 3.12, a
+    collective before the DataLoader workers fork can deadlock them, as setup_training() says."""
     check(args.num_samples >= 0, f"--num-samples must be at least 0, not {args.num_samples}")
     check(args.eval_samples >= 0, f"--eval-samples must be at least 0, not {args.eval_samples}")
     generator = torch.Generator().manual_seed(args.seed)
@@ -126,7 +127,7 @@ def build_model(args):
 def collate_fn(items, args, training):
     """Turn what the Dataset gave for a batch into the batch. A list of items goes through
     default_collate, which stacks them, and items of different shapes need a collate_fn that pads,
-    as in examples/tinylm.py. InMemory gives a whole batch as a tuple of tensors, which stays.
+    as in examples/tinylm.py. InMemory gives a whole batch as a tuple of tensors, which is kept.
     The args hold the flags. training is True in the training loader and False in the eval
     loader. So a batch augmentation, such as mixup, can run in training only."""
     if isinstance(items, tuple):  # InMemory gave the whole batch already.
@@ -400,11 +401,13 @@ class TrainState:
     batch_sampler: "ResumableBatchSampler"  # A stream has none either.
     loader: DataLoader
     eval_loader: DataLoader
-    # These hold this rank's sums of the loss and the metrics, and its count of items, since the
-    # last loss all_reduce. The sums stay tensors on the device, so that no step waits for the GPU.
-    # The loss all_reduce adds up the sums and the counts of all ranks.
+    # These hold this rank's sums of the loss and the metrics since the last loss all_reduce. The
+    # sums stay tensors on the device, so that no step waits for the GPU. The loss all_reduce adds
+    # up the sums of all ranks.
     unreduced_sums: dict = dataclasses.field(default_factory=dict)
-    unreduced_count: int = 0
+    # This counts the items of the same steps over all ranks. The step agreement gives each step's
+    # count, so the count needs no all_reduce of its own.
+    items_since_reduce: int = 0
 
 
 @errors.record  # Under torchrun, this puts a worker's traceback in torchrun's failure summary.
@@ -587,16 +590,16 @@ def after_step(args, world, state, agreement, throughput, grad_norm, log_now):
 
 
 def train_step(args, world, state, batches, agreement, log_now, epoch_ends):
-    """All ranks take one optimizer step over this rank's micro-batches of the step.
-
-    It returns the step's learning rate and its gradient norm. The norm is a tensor, and it is None
-    unless the step clips, or logs the norm because log_now is true. epoch_ends says whether the
-    step is the last of its epoch."""
+    """All ranks take one optimizer step over this rank's micro-batches of the step. It returns the
+    step's learning rate and its gradient norm, a tensor that is None unless the step clips or logs
+    (log_now). epoch_ends says whether the step is the last of its epoch."""
     counts = [count_items(batch) for batch in batches]  # They are counted on the CPU.
     stream_ended = len(batches) < state.plan.grad_accum  # Only a stream ends inside an epoch.
     agreement.start(sum(counts), stream_ended)
-    # DDP: The weight of the backward needs the count of all ranks. The plan knows it for samples,
-    # so the agreement runs beside the step. Tokens, or a stream, wait for it before any batch.
+    # DDP: Each micro-batch's weight needs the step's count of items over all ranks. For samples,
+    # the plan knows that count. So the agreement's all-reduce runs while the step computes, and its
+    # check comes after the backward and before the optimizer step. A count of tokens, or of a
+    # stream, comes only from the all-reduce, so the step waits for it before the first forward.
     global_items = state.plan.global_batch
     waits_for_count_first = COUNT_UNIT != "samples" or state.plan.stream
     if waits_for_count_first:
@@ -615,7 +618,6 @@ def train_step(args, world, state, batches, agreement, log_now, epoch_ends):
                 output = compute_loss(state.train_model, batch, args)
             loss, metrics = check_loss_output(output, count)
             add_means(state.unreduced_sums, {"loss": loss, **metrics}, count)
-            state.unreduced_count += count
             # DDP: DDP averages the gradients over the ranks. So each mean is multiplied by its
             # count over the step's count, times the world size. Then the gradient is the exact
             # mean over all the items of the step. When every batch holds the same count, the
@@ -626,6 +628,7 @@ def train_step(args, world, state, batches, agreement, log_now, epoch_ends):
     if not waits_for_count_first:
         agreement.finish()
         check_agreement(agreement, state)
+    state.items_since_reduce += agreement.global_items  # This counts the step's items on all ranks.
     grad_norm = None
     if args.clip_grad_norm or log_now:
         for optimizer in state.optimizers:
@@ -731,24 +734,20 @@ def check_step_items(global_items, plan):
 
 
 def all_reduce_losses(world, state):
-    """All ranks add up their sums and counts since the last call, and add them to the totals of
-    the epoch and of the next progress record. Return the sums of all ranks, as floats. This is the
-    tutorials' loss all_reduce. It is the one place where training reads the device, and only the
-    steps that log, evaluate or save reach it. It adds with SUM, because gloo does not support AVG
-    on every torch version."""
-    # One all_reduce adds up the sums and the count together. The count goes in under the name of
-    # its unit, which no metric may take. A float64 holds every count below 2**53 exactly.
-    count = torch.tensor(state.unreduced_count, dtype=torch.float64, device=world.device)
-    local = {**state.unreduced_sums, COUNT_UNIT: count}
-    values = torch.stack([value.to(world.device) for value in local.values()])
+    """All ranks add up their sums since the last call. They add the sums and the count of their
+    items to the totals of the epoch and of the next progress record. Return the sums of all ranks,
+    as floats. This is the tutorials' loss all_reduce. It is the one place where training reads the
+    device, and only the steps that log, evaluate or save reach it. It adds with SUM, because gloo
+    does not support AVG on every torch version."""
+    names = list(state.unreduced_sums)
+    values = torch.stack([state.unreduced_sums[name].to(world.device) for name in names])
     if world.world_size > 1:
-        dist.all_reduce(values)  # DDP: Add up every rank's sums and counts.
-    sums = dict(zip(local, values.tolist()))
-    count = int(sums.pop(COUNT_UNIT))
-    state.progress.epoch_totals.add(sums, count)
-    state.progress.totals_since_log.add(sums, count)
+        dist.all_reduce(values)  # DDP: Add up every rank's sums.
+    sums = dict(zip(names, values.tolist()))
+    state.progress.epoch_totals.add(sums, state.items_since_reduce)
+    state.progress.totals_since_log.add(sums, state.items_since_reduce)
     state.unreduced_sums = {}
-    state.unreduced_count = 0
+    state.items_since_reduce = 0
     return sums
 
 
@@ -1155,7 +1154,8 @@ def restore_checkpoint(args, world, stateful_parts, path, checkpoint):
     log(f"resumed from {path} at step {progress.step}, saved by {saved_ranks} process(es)")
     changed = []
     for name, value in vars(args).items():
-        saved_value = checkpoint["args"].get(name, value)  # A flag that the run lacked is the same.
+        # A flag that the checkpoint's run did not have counts as unchanged.
+        saved_value = checkpoint["args"].get(name, value)
         if name not in FREE_AT_RESUME and saved_value != value:
             changed.append(f"--{name.replace('_', '-')} {value} (it had {saved_value})")
     if changed:
