@@ -407,7 +407,7 @@ class TrainState:
     unreduced_sums: dict = dataclasses.field(default_factory=dict)
     # This counts the items of the same steps over all ranks. The step agreement gives each step's
     # count, so the count needs no all_reduce of its own.
-    items_since_reduce: int = 0
+    global_items_since_reduce: int = 0
 
 
 @errors.record  # Under torchrun, this puts a worker's traceback in torchrun's failure summary.
@@ -628,7 +628,7 @@ def train_step(args, world, state, batches, agreement, log_now, epoch_ends):
     if not waits_for_count_first:
         agreement.finish()
         check_agreement(agreement, state)
-    state.items_since_reduce += agreement.global_items  # This counts the step's items on all ranks.
+    state.global_items_since_reduce += agreement.global_items
     grad_norm = None
     if args.clip_grad_norm or log_now:
         for optimizer in state.optimizers:
@@ -744,10 +744,10 @@ def all_reduce_losses(world, state):
     if world.world_size > 1:
         dist.all_reduce(values)  # DDP: Add up every rank's sums.
     sums = dict(zip(names, values.tolist()))
-    state.progress.epoch_totals.add(sums, state.items_since_reduce)
-    state.progress.totals_since_log.add(sums, state.items_since_reduce)
+    state.progress.epoch_totals.add(sums, state.global_items_since_reduce)
+    state.progress.totals_since_log.add(sums, state.global_items_since_reduce)
     state.unreduced_sums = {}
-    state.items_since_reduce = 0
+    state.global_items_since_reduce = 0
     return sums
 
 
