@@ -1603,8 +1603,10 @@ def wait_for_workers(workers):
                 if worker not in codes:
                     worker.kill()
     failures = [code for code in codes.values() if code not in (0, EXIT_STOPPED)]
+    if not failures and EXIT_STOPPED in codes.values():
+        return EXIT_STOPPED
     if not failures:
-        return EXIT_STOPPED if EXIT_STOPPED in codes.values() else 0
+        return 0
     first_failure = failures[0]
     if first_failure < 0:
         # A worker that a signal N killed returns -N, and a shell writes that as 128 + N.
@@ -1734,12 +1736,16 @@ def add_script_flags(parser):
     parser.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warmup")
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's, on matrices")
-    parser.add_argument("--clip-grad-norm", type=float, default=0.0, help="max norm (0: off)")
+    parser.add_argument(
+        "--clip-grad-norm", type=float, default=0.0, help="max gradient norm (0: off)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds the data, weights and shuffle")
     parser.add_argument(
         "--out-dir", default=f"out/{PROG.removesuffix('.py')}", help="rank 0's files"
     )
-    parser.add_argument("--log-every", type=int, default=100, help="steps per record (0: off)")
+    parser.add_argument(
+        "--log-every", type=int, default=100, help="steps per progress line (0: off)"
+    )
     parser.add_argument("--eval-every", type=int, default=0, help="steps (0: at epoch ends only)")
     parser.add_argument("--save-every", type=int, default=500, help="steps (0: at epoch ends)")
     parser.add_argument("--eval-only", action=switch, default=False, help="evaluate, then exit")
