@@ -563,6 +563,7 @@ def after_step(args, world, state, agreement, throughput, grad_norm, log_now):
         sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
         check_finite(sums["loss"], state.raw_model, step)
     # 2. The progress record reaches metrics.jsonl before the save, so a crash cannot lose it.
+    record = None
     if log_now:
         record = progress_record(plan, state.progress, grad_norm, throughput)
         write_record(args, world, record, plan.total_steps)
@@ -576,7 +577,7 @@ def after_step(args, world, state, agreement, throughput, grad_norm, log_now):
     if save_now:
         save_checkpoint(args, world, state)
     # 5. report() comes after the save, so that a logger can read the checkpoint of its step.
-    if log_now and world.rank == 0:
+    if record is not None and world.rank == 0:
         report(record, args, state.raw_model)
     # 6. A stop skips the evaluation, and the rerun runs it. resume_records() says how.
     if agreement.should_stop and step < plan.total_steps:
@@ -1114,17 +1115,15 @@ def save_checkpoint(args, world, state):
 
 
 def copy_mapped_tensors(optimizers):
-    """Trap: Before a save, each rank copies the optimizer's tensors that still map the old
-    checkpoint's file into memory of its own. The next save deletes that file, but a deleted file
-    keeps its disk space while a process maps it. read_checkpoint() maps the file, so that the
-    ranks of a node share its pages. On the CPU, a resumed optimizer keeps the mapped tensors as its
-    state. On a GPU, the state moves to the GPU, and nothing stays mapped. torch cannot resize the
-    storage of a tensor that maps a file, because the file fixes its size. So `not resizable()`
-    finds the mapped tensors."""
+    """Trap: Before a save, each rank copies its optimizer's CPU tensors into memory of its own.
+    read_checkpoint() maps the checkpoint's file, so that the ranks of a node share its pages. On
+    the CPU, a resumed optimizer keeps those mapped tensors as its state. The next save deletes the
+    old file, but a deleted file keeps its disk space while a process maps it. After the copy, no
+    tensor maps the file. On a GPU, the state moved to the GPU at the resume, so it maps nothing."""
     for optimizer in optimizers:
         for values in optimizer.state.values():
             for key, value in values.items():
-                if torch.is_tensor(value) and not value.untyped_storage().resizable():
+                if torch.is_tensor(value) and value.device.type == "cpu":
                     values[key] = value.clone()
 
 
