@@ -1089,6 +1089,14 @@ def check_resume(c: CopyCheck) -> Verdict:
         f"{len(whole)} tensors differ from the uninterrupted run's"
     )
     parts = {name: c.saved_parts(name) for name in ("torchrun", "resumed")}
+    # The wrapper finds the parts through an argument of save_checkpoint() with a dict
+    # stateful_parts. Where a copy shows none, as an older copy does, the line says so.
+    unseen = ""
+    if not parts["torchrun"]:
+        unseen = (
+            "; the parts of its checkpoint were not compared, because its save_checkpoint() "
+            "gets no stateful_parts"
+        )
     if parts["torchrun"]:
         names = sorted({key.split(".")[0] for key in parts["torchrun"][0]})
         # The ranks must hold the same parts after a step, whether the resume is bit-identical or
@@ -1123,7 +1131,7 @@ def check_resume(c: CopyCheck) -> Verdict:
             )
         return Verdict(5, "pass", figure)
     if not differ:
-        return Verdict(5, "pass", f"{figure} (bit-identical)")
+        return Verdict(5, "pass", f"{figure} (bit-identical){unseen}")
     same_batches = all(
         c.batches("stopped", r) + c.batches("resumed", r) == c.batches("torchrun", r)
         for r in range(2)
@@ -1138,7 +1146,7 @@ def check_resume(c: CopyCheck) -> Verdict:
     if c.workers and c.data("torchrun", 0)["train"]["random_reads"]:
         return Verdict(
             5, "pass", f"{figure}: the same batches in the same order; not bit-identical, as the "
-            "Dataset draws random numbers in DataLoader workers, which start afresh at a resume",
+            f"Dataset draws random numbers in DataLoader workers, which start afresh at a resume{unseen}",
         )  # fmt: skip
     counters = c.numbers_that_restarted()
     if counters:

@@ -2646,6 +2646,8 @@ def test_make_check_passes_every_shipped_task(tmp_path, task):
     }
     for said in neutralised[task]:
         assert re.search(rf"^pass +2\. .*{said}", launch.stdout, re.M), launch.stdout
+    # Check 5 compared the parts of the checkpoint across the ranks and across the resume.
+    assert re.search(r"^pass +5\. .*differ after the resume", launch.stdout, re.M), launch.stdout
     # The runs are in the project's out/, as make train's runs are. The logs stay, and every file
     # of weights is gone, the checkpoints and model.pt files and the check's own weights.
     work = repo / "out/check" / Path(task).stem
@@ -2678,6 +2680,8 @@ def test_make_check_passes_a_copy_of_an_older_script(tmp_path, commit):
     script = older_script(tmp_path / "project", commit)
     code, lines, output = make_check(tmp_path, script)
     assert code == 0 and len(lines) == 8 and "8 pass, 0 n/a, 0 fail" in output, output
+    # An older copy shows the check no stateful_parts, and check 5 says that it compared no parts.
+    assert "the parts of its checkpoint were not compared" in lines[5][1], output
 
 
 @long
