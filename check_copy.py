@@ -1079,7 +1079,7 @@ def check_resume(c: CopyCheck) -> Verdict:
     if not m or "exit 75" not in stopped.stdout or f"at step {m[1]}," not in resumed.stdout:
         return Verdict(
             5, "FAIL", f"the stopped launch exited {stopped.returncode}: {script_said(stopped)}",
-            "the loop's stop agreement, or its resume, was changed",
+            "the loop's step sync, or its resume, was changed",
         )  # fmt: skip
     whole = c.results["torchrun"].weights
     differ = [k for k in whole if not torch.equal(whole[k], resumed.weights[k])]

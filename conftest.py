@@ -235,13 +235,13 @@ class Encoded(collections.UserDict):
         return Encoded({k: v.to(device, non_blocking=non_blocking) for k, v in self.items()})
 
 
-def train_step_without_syncs(args, world, state, batches, agreement, log_now, epoch_ends):
+def train_step_without_syncs(args, world, state, batches, step_sync, log_now, epoch_ends):
     """nosync: any wait for the GPU in a step that neither logs, evaluates nor saves is an error.
     Not checked: the steps before CHECK_FROM (DDP measures its own first 10 iterations with CUDA
     events, which waits for them)."""
     step = state.progress.step + 1
     torch.cuda.set_sync_debug_mode("error" if step >= int(env.get("CHECK_FROM", 1)) else "default")
-    result = train_step_of_the_script(args, world, state, batches, agreement, log_now, epoch_ends)
+    result = train_step_of_the_script(args, world, state, batches, step_sync, log_now, epoch_ends)
     periodic = [args.log_every, args.save_every, args.eval_every, state.plan.steps_per_epoch]
     if any(every and step % every == 0 for every in periodic) or step == state.plan.total_steps:
         torch.cuda.set_sync_debug_mode("default")
@@ -292,26 +292,26 @@ class Indexed(torch.utils.data.Dataset):
 stop_agreed, signalled = False, False
 
 
-def on_signal(agreement, signum, frame):  # (waitjoin: notes a stop signal)
+def on_signal(step_sync, signum, frame):  # (waitjoin: notes a stop signal)
     global signalled
     signalled = True
-    on_signal_of_the_script(agreement, signum, frame)
+    on_signal_of_the_script(step_sync, signum, frame)
 
 
-on_signal_of_the_script = ddp_train.StepAgreement.on_signal
+on_signal_of_the_script = ddp_train.StepSync.on_signal
 if "waitjoin" in variant:
-    ddp_train.StepAgreement.on_signal = on_signal
+    ddp_train.StepSync.on_signal = on_signal
 
 
-def finish(agreement):  # (evalafterstop: notes the agreed stop)
+def finish(step_sync):  # (evalafterstop: notes the agreed stop)
     global stop_agreed
-    finish_of_the_script(agreement)
-    stop_agreed = stop_agreed or agreement.should_stop
+    finish_of_the_script(step_sync)
+    stop_agreed = stop_agreed or step_sync.should_stop
 
 
-finish_of_the_script = ddp_train.StepAgreement.finish
+finish_of_the_script = ddp_train.StepSync.finish
 if "evalafterstop" in variant:
-    ddp_train.StepAgreement.finish = finish
+    ddp_train.StepSync.finish = finish
 
 
 class Sometimes(nn.Module):

@@ -235,7 +235,7 @@ class World:
     local_rank: int  # The rank on this node picks its GPU.
     world_size: int
     device: torch.device
-    # Small CPU messages, such as the step agreement's, go over this gloo group. On GPUs it is a
+    # Small CPU messages, such as the step sync's, go over this gloo group. On GPUs it is a
     # group beside the NCCL group, because NCCL moves only GPU tensors, in the GPU's queue of work.
     # On CPUs it is the process group itself. One process has no group.
     gloo_group: object = None
@@ -259,7 +259,8 @@ def init_distributed(timeout_s):
     # peer into an error instead of a hang.
     backend = "nccl" if device.type == "cuda" else "gloo"
     try:
-        store = round_store(timeout)  # Each round of workers gets its own store (section 9).
+        # Each round of workers gets a store of its own, as section 9 says.
+        store = fresh_rendezvous_store(timeout)
         dist.init_process_group(
             backend, timeout=timeout, store=store, rank=rank, world_size=world_size
         )
@@ -405,7 +406,7 @@ class TrainState:
     # sums stay tensors on the device, so that no step waits for the GPU. The loss all_reduce adds
     # up the sums of all ranks.
     unreduced_sums: dict = dataclasses.field(default_factory=dict)
-    # This counts the items of the same steps over all ranks. The step agreement gives each step's
+    # This counts the items of the same steps over all ranks. The step sync gives each step's
     # count, so the count needs no all_reduce of its own.
     global_items_since_reduce: int = 0
 
@@ -446,7 +447,7 @@ def setup_training(args, world):
         progress = restore_checkpoint(args, world, stateful_parts, path, checkpoint)
     if checkpoint and plan.stream:
         restore_stream(world, train_set, path, checkpoint)
-    del checkpoint  # This frees its memory before the workers fork. See copy_mapped_tensors().
+    del checkpoint  # This frees its memory before the workers fork. See unmap_optimizer_state().
     sampler, batch_sampler, loader = make_train_loader(args, world, train_set, plan)
     eval_loader = make_eval_loader(args, world, eval_set)
     # Trap: The workers start now, once, before any collective. On Python before 3.12, a fork while
@@ -493,7 +494,7 @@ def make_train_loader(args, world, train_set, plan):
 
     A stream, an IterableDataset, has neither. It gives each rank its own items, and it may ask
     torch.distributed for the rank. It has no length, so its run is one epoch of --max-steps steps.
-    The step agreement finishes before each forward, and all ranks stop with one line when a rank's
+    The step sync finishes before each forward, and all ranks stop with one line when a rank's
     stream runs out. Each checkpoint holds every rank's stream.state_dict(), so a resume needs the
     same world size. A stream needs --workers 0, because each worker would hold a copy that no
     checkpoint can read."""
@@ -516,11 +517,11 @@ def train(args, world):
     state = setup_training(args, world)
     plan = state.plan
     progress = state.progress
-    resume_records(args, world, state)
+    finish_resumed_step(args, world, state)
     if progress.step >= plan.total_steps:
         return rewrite_final_weights(args, world, state)
     log_header(args, world, state)
-    agreement = StepAgreement(world)
+    step_sync = StepSync(world)
     throughput = Throughput(progress.step, plan.total_steps)
     for epoch in range(progress.step // plan.steps_per_epoch, plan.epochs):
         last_step_of_epoch = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
@@ -538,26 +539,27 @@ def train(args, world):
             # The step takes its --grad-accum batches. A stream that has ended gives fewer.
             batches = list(itertools.islice(micro_batches, plan.grad_accum))
             epoch_ends = step % plan.steps_per_epoch == 0
-            lr, grad_norm = train_step(args, world, state, batches, agreement, log_now, epoch_ends)
+            lr, grad_norm = train_step(args, world, state, batches, step_sync, log_now, epoch_ends)
             progress.step = step
             progress.lr = lr
             progress.epoch_seconds = saved_seconds + time.perf_counter() - epoch_started
-            throughput.add(agreement.global_items)  # This counts the step's items on all ranks.
-            stopped = after_step(args, world, state, agreement, throughput, grad_norm, log_now)
+            throughput.add(step_sync.global_items)  # This counts the step's items on all ranks.
+            stopped = after_step(args, world, state, step_sync, throughput, grad_norm, log_now)
             if stopped:
                 return EXIT_STOPPED  # The rerun runs the evaluation that the stop skipped.
-    agreement.restore_signal_handlers()
+    step_sync.restore_signal_handlers()
     return end_run(args, world, state)
 
 
-def after_step(args, world, state, agreement, throughput, grad_norm, log_now):
+def after_step(args, world, state, step_sync, throughput, grad_norm, log_now):
     """All ranks finish a step, and return whether the run stops after it. The numbered comments
     give the order, and they say why each comes where it does."""
     step = state.progress.step
     plan = state.plan
     periodic_save = args.save_every > 0 and step % args.save_every == 0
     record_kind = due_record_kind(args, state, step)  # It is "epoch", "eval" or None.
-    save_now = periodic_save or record_kind is not None or agreement.should_stop
+    # Every evaluation saves first, so that a kill during the evaluation loses no step (block 4).
+    save_now = periodic_save or record_kind is not None or step_sync.should_stop
     # 1. A record and a checkpoint both need the losses of all ranks. A checkpoint holds their sums.
     if log_now or save_now:
         sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
@@ -579,9 +581,9 @@ def after_step(args, world, state, agreement, throughput, grad_norm, log_now):
     # 5. report() comes after the save, so that a logger can read the checkpoint of its step.
     if record is not None and world.rank == 0:
         report(record, args, state.raw_model)
-    # 6. A stop skips the evaluation, and the rerun runs it. resume_records() says how.
-    if agreement.should_stop and step < plan.total_steps:
-        agreement.restore_signal_handlers()
+    # 6. A stop skips the evaluation, and the rerun runs it. finish_resumed_step() says how.
+    if step_sync.should_stop and step < plan.total_steps:
+        step_sync.restore_signal_handlers()
         log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
         return True
     # 7. The evaluation and its record come last.
@@ -590,23 +592,23 @@ def after_step(args, world, state, agreement, throughput, grad_norm, log_now):
     return False
 
 
-def train_step(args, world, state, batches, agreement, log_now, epoch_ends):
+def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
     """All ranks take one optimizer step over this rank's micro-batches of the step. It returns the
     step's learning rate and its gradient norm, a tensor that is None unless the step clips or logs
     (log_now). epoch_ends says whether the step is the last of its epoch."""
     counts = [count_items(batch) for batch in batches]  # They are counted on the CPU.
     stream_ended = len(batches) < state.plan.grad_accum  # Only a stream ends inside an epoch.
-    agreement.start(sum(counts), stream_ended)
+    step_sync.start(sum(counts), stream_ended)
     # DDP: Each micro-batch's weight needs the step's count of items over all ranks. For samples,
-    # the plan knows that count. So the agreement's all-reduce runs while the step computes, and its
+    # the plan knows that count. So the step sync's all-reduce runs while the step computes, and its
     # check comes after the backward and before the optimizer step. A count of tokens, or of a
     # stream, comes only from the all-reduce, so the step waits for it before the first forward.
     global_items = state.plan.global_batch
-    waits_for_count_first = COUNT_UNIT != "samples" or state.plan.stream
-    if waits_for_count_first:
-        agreement.finish()
-        check_agreement(agreement, state)
-        global_items = max(1, agreement.global_items)  # A step of 0 tokens gets weight 0, not 0/0.
+    needs_count_before_forward = COUNT_UNIT != "samples" or state.plan.stream
+    if needs_count_before_forward:
+        step_sync.finish()
+        check_step_sync(step_sync, state)
+        global_items = max(1, step_sync.global_items)  # A step of 0 tokens gets weight 0, not 0/0.
     for i, (batch, count) in enumerate(zip(batches, counts)):
         batch = to_device(batch, world.device)
         # DDP: no_sync skips the gradient all-reduce. Only the last micro-batch's backward runs it.
@@ -626,10 +628,10 @@ def train_step(args, world, state, batches, agreement, log_now, epoch_ends):
             # scaler scales a mean, never a sum.
             weight = count * world.world_size / global_items
             state.scaler.scale(loss * weight).backward()
-    if not waits_for_count_first:
-        agreement.finish()
-        check_agreement(agreement, state)
-    state.global_items_since_reduce += agreement.global_items
+    if not needs_count_before_forward:
+        step_sync.finish()
+        check_step_sync(step_sync, state)
+    state.global_items_since_reduce += step_sync.global_items
     grad_norm = None
     if args.clip_grad_norm or log_now:
         for optimizer in state.optimizers:
@@ -640,7 +642,7 @@ def train_step(args, world, state, batches, agreement, log_now, epoch_ends):
         else:
             max_norm = math.inf  # An infinite limit clips nothing, and the call only measures.
         grad_norm = nn.utils.clip_grad_norm_(state.raw_model.parameters(), max_norm)
-    lr = state.optimizers[0].param_groups[0]["lr"]
+    lr = state.optimizers[0].param_groups[0]["lr"]  # This is read before the scheduler moves it.
     for optimizer, scheduler in zip(state.optimizers, state.schedulers):
         state.scaler.step(optimizer)
         if scheduler_steps_now(scheduler, epoch_ends):
@@ -652,10 +654,10 @@ def train_step(args, world, state, batches, agreement, log_now, epoch_ends):
     return lr, grad_norm
 
 
-def check_agreement(agreement, state):
+def check_step_sync(step_sync, state):
     """All ranks stop with one line if the stream of any rank has ended before this step, or if the
     count of the step's items is wrong."""
-    if agreement.stream_ended:  # Only a stream ends, so other steps never build this message.
+    if step_sync.stream_ended:  # Only a stream ends, so other steps never build this message.
         trained_steps = state.progress.step
         if trained_steps > 0:
             advice = f"pass --max-steps {trained_steps}"
@@ -665,7 +667,7 @@ def check_agreement(agreement, state):
             f"the training stream of a rank ended before step {trained_steps + 1} of "
             f"{state.plan.total_steps}: {advice}, or let the stream repeat"
         )
-    check_step_items(agreement.global_items, state.plan)
+    check_step_items(step_sync.global_items, state.plan)
 
 
 def scheduler_steps_now(scheduler, epoch_ends):
@@ -678,10 +680,84 @@ def scheduler_steps_now(scheduler, epoch_ends):
     return True
 
 
-# ====== 4. Exact means ============================================================================
+# ====== 4. The step sync ==========================================================================
+# A stop signal on any rank stops every rank after the same step. The test
+# test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_ends_bit_identical proves it.
+
+
+class StepSync:
+    """At every step, all ranks add up three numbers in one all-reduce over gloo. These are the
+    stop signals that they got, their counts of the step's items, and whether their streams have
+    ended. So every rank knows the step's count of items over all ranks, and all ranks stop after
+    the same step. start() sends the numbers before the first forward, and finish() waits for the
+    sums. A step of samples calls finish() after its backward, so that it does not wait.
+
+    Preemption sends SIGTERM or SIGUSR1, Ctrl-C sends SIGINT, and a closed terminal sends SIGHUP.
+    Trap: The handler only notes the signal, because a collective inside a handler deadlocks."""
+
+    def __init__(self, world):
+        self.world = world
+        self.signals = []  # These are the stop signals that this process got.
+        self.should_stop = False  # This says whether any rank got a stop signal.
+        self.stream_ended = False  # This says whether any rank's stream ran out in this step.
+        self.global_items = 0  # This counts the step's items over all ranks.
+        self.numbers = None  # These are the numbers that start() sends, and the all-reduce sums.
+        self.reduction = None  # This is the all-reduce in flight between start() and finish().
+        self.previous_handlers = handle_stop_signals(self.on_signal)
+
+    def on_signal(self, signum, frame):
+        self.signals.append(signum)
+
+    def start(self, rank_items, stream_ended):
+        """Send this rank's signals, its count of items and whether its stream has ended."""
+        # The all-reduce adds up each of the three numbers, and finish() reads them in this order.
+        self.numbers = torch.tensor([len(self.signals), rank_items, int(stream_ended)])
+        if self.world.world_size > 1:
+            # DDP: This adds with SUM, and it runs while the step computes.
+            self.reduction = dist.all_reduce(
+                self.numbers, group=self.world.gloo_group, async_op=True
+            )
+
+    def finish(self):
+        """Wait for the sums of all ranks, once in each step."""
+        if self.reduction is not None:
+            self.reduction.wait()
+            # Trap: A finished all-reduce that stays referenced holds the gloo group. Before torch
+            # 2.8, a group that is freed late, at exit, can hang the process.
+            self.reduction = None
+        signals, global_items, ended_ranks = self.numbers.tolist()
+        self.should_stop = signals > 0
+        self.global_items = global_items
+        self.stream_ended = ended_ranks > 0
+
+    def restore_signal_handlers(self):
+        for sig, handler in self.previous_handlers.items():
+            signal.signal(sig, handler)
+
+
+def handle_stop_signals(handler):
+    """Install the handler for each stop signal, and return the handlers that it replaced."""
+    previous_handlers = {}
+    for sig in STOP_SIGNALS:
+        # Trap: nohup ignores SIGHUP, so that the run outlives its terminal. That choice stays.
+        if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+            continue
+        previous_handlers[sig] = signal.signal(sig, handler)
+    return previous_handlers
+
+
+def ignore_signals(worker_id):
+    """Trap: A DataLoader worker exits on a SIGTERM from anyone but its parent. torchrun, SLURM and
+    terminals signal whole process groups. So the workers ignore the stop signals, and the
+    trainer handles them."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+# ====== 5. Exact means ============================================================================
 # The gradient and the logged figures are exact means over all the items of a step. Each rank
 # counts its items on the CPU before the forward. The plan knows a step's count of samples, and for
-# tokens the step agreement adds up the counts of all ranks first. Each micro-batch's mean is then
+# tokens the step sync adds up the counts of all ranks first. Each micro-batch's mean is then
 # multiplied by its count over the step's count. The test
 # test_n_processes_x_b_with_accumulation_equal_one_process_x_n_times_b proves it.
 
@@ -764,7 +840,7 @@ def check_finite(loss_sum, model, step):
         fail(f"the weights are not finite at step {step} (a non-finite gradient): {advice}", code=1)
 
 
-# ====== 5. Evaluation and records =================================================================
+# ====== 6. Evaluation and records =================================================================
 # Evaluation counts each eval sample once, on any world size, as the test
 # test_evaluation_counts_each_sample_once_on_a_size_the_world_does_not_divide proves. Each record is
 # written once, across stops and crashes, as test_a_crash_between_a_checkpoint_and_its_records_
@@ -866,7 +942,7 @@ def evaluate_and_record(args, world, state, kind):
     step_plateau_schedulers(state, record)
 
 
-def resume_records(args, world, state):
+def finish_resumed_step(args, world, state):
     """All ranks finish the step that the run resumes from, as the stopped run would have.
 
     First, rank 0 deletes the records past that step from metrics.jsonl, because this run writes
@@ -1058,7 +1134,7 @@ def log_header(args, world, state):
     )
 
 
-# ====== 6. Checkpoints ============================================================================
+# ====== 7. Checkpoints ============================================================================
 # A stopped run resumes bit for bit, and a crash during a save keeps the last good checkpoint. The
 # test test_sigterm_to_the_launcher_stops_every_rank_and_the_rerun_ends_bit_identical proves it.
 
@@ -1090,7 +1166,9 @@ def save_checkpoint(args, world, state):
             "the stream's state_dict() holds values other than ints, floats, strings, lists and "
             "dicts with string keys: make them plain, so that a checkpoint can hold them",
         )
-    copy_mapped_tensors(state.optimizers)  # Trap: This matters on the CPU. Its docstring says why.
+    unmap_optimizer_state(
+        state.optimizers
+    )  # Trap: This matters on the CPU. Its docstring says why.
     if world.rank == 0:  # DDP: Only rank 0 writes the checkpoint.
         # Plain values let a weights_only torch.load read the progress and the flags back.
         plain_args = {}
@@ -1114,7 +1192,7 @@ def save_checkpoint(args, world, state):
         dist.barrier(group=world.gloo_group)
 
 
-def copy_mapped_tensors(optimizers):
+def unmap_optimizer_state(optimizers):
     """Trap: Before a save, each rank copies its optimizer's CPU tensors into memory of its own.
     read_checkpoint() maps the checkpoint's file, so that the ranks of a node share its pages. On
     the CPU, a resumed optimizer keeps those mapped tensors as its state. The next save deletes the
@@ -1307,80 +1385,6 @@ def set_rng_state(state):
         numpy.random.set_state(state["numpy"])
 
 
-# ====== 7. The step agreement =====================================================================
-# A stop signal on any rank stops every rank after the same step. The test
-# test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_ends_bit_identical proves it.
-
-
-class StepAgreement:
-    """At every step, all ranks add up three numbers in one all-reduce over gloo. These are the
-    stop signals that they got, their counts of the step's items, and whether their streams have
-    ended. So every rank knows the step's count of items over all ranks, and all ranks stop after
-    the same step. start() sends the numbers before the first forward, and finish() waits for the
-    sums. A step of samples calls finish() after its backward, so that it does not wait.
-
-    Preemption sends SIGTERM or SIGUSR1, Ctrl-C sends SIGINT, and a closed terminal sends SIGHUP.
-    Trap: The handler only notes the signal, because a collective inside a handler deadlocks."""
-
-    def __init__(self, world):
-        self.world = world
-        self.signals = []  # These are the stop signals that this process got.
-        self.should_stop = False  # This says whether any rank got a stop signal.
-        self.stream_ended = False  # This says whether any rank's stream ran out in this step.
-        self.global_items = 0  # This counts the step's items over all ranks.
-        self.numbers = None  # These are the numbers that start() sends, and the all-reduce sums.
-        self.reduction = None  # This is the all-reduce in flight between start() and finish().
-        self.previous_handlers = handle_stop_signals(self.on_signal)
-
-    def on_signal(self, signum, frame):
-        self.signals.append(signum)
-
-    def start(self, rank_items, stream_ended):
-        """Send this rank's signals, its count of items and whether its stream has ended."""
-        # The all-reduce adds up each of the three numbers, and finish() reads them in this order.
-        self.numbers = torch.tensor([len(self.signals), rank_items, int(stream_ended)])
-        if self.world.world_size > 1:
-            # DDP: This adds with SUM, and it runs while the step computes.
-            self.reduction = dist.all_reduce(
-                self.numbers, group=self.world.gloo_group, async_op=True
-            )
-
-    def finish(self):
-        """Wait for the sums of all ranks, once in each step."""
-        if self.reduction is not None:
-            self.reduction.wait()
-            # Trap: A finished all-reduce that stays referenced holds the gloo group. Before torch
-            # 2.8, a group that is freed late, at exit, can hang the process.
-            self.reduction = None
-        signals, global_items, ended_ranks = self.numbers.tolist()
-        self.should_stop = signals > 0
-        self.global_items = global_items
-        self.stream_ended = ended_ranks > 0
-
-    def restore_signal_handlers(self):
-        for sig, handler in self.previous_handlers.items():
-            signal.signal(sig, handler)
-
-
-def handle_stop_signals(handler):
-    """Install the handler for each stop signal, and return the handlers that it replaced."""
-    previous_handlers = {}
-    for sig in STOP_SIGNALS:
-        # Trap: nohup ignores SIGHUP, so that the run outlives its terminal. That choice stays.
-        if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
-            continue
-        previous_handlers[sig] = signal.signal(sig, handler)
-    return previous_handlers
-
-
-def ignore_signals(worker_id):
-    """Trap: A DataLoader worker exits on a SIGTERM from anyone but its parent. torchrun, SLURM and
-    terminals signal whole process groups. So the workers ignore the stop signals, and the
-    trainer handles them."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-
-
 # ====== 8. Setup ==================================================================================
 # These functions build what setup_training() needs. A resume on another world size keeps its
 # global batch, as test_a_node_that_leaves_and_joins_again_resumes_the_run_with_its_global_batch
@@ -1569,7 +1573,8 @@ def spawn(processes, argv):
         "LOCAL_WORLD_SIZE": str(processes),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(store.port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # Then round_store() works as under torchrun.
+        # Then fresh_rendezvous_store() works as it does under torchrun.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": "0",
     }
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets this too, as the processes share cores.
@@ -1613,7 +1618,7 @@ def wait_for_workers(workers):
     return first_failure
 
 
-def round_store(timeout):
+def fresh_rendezvous_store(timeout):
     """Return a store for this round of workers alone, or None outside torchrun.
 
     A store is the key-value server where the processes find each other when they join the
@@ -1635,11 +1640,11 @@ def round_store(timeout):
     torchrun_store = dist.TCPStore(host, int(env["MASTER_PORT"]), timeout=timeout)
     if env["RANK"] == "0":
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        torchrun_store.set("ddp_train_round_store", str(store.port))
+        torchrun_store.set("ddp_train_fresh_rendezvous_store", str(store.port))
         return store
     deadline = time.monotonic() + timeout.total_seconds()
     while time.monotonic() < deadline:
-        port = int(torchrun_store.get("ddp_train_round_store"))
+        port = int(torchrun_store.get("ddp_train_fresh_rendezvous_store"))
         try:
             socket.create_connection((host, port), timeout=10).close()
             return dist.TCPStore(host, port, timeout=timeout)
