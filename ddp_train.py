@@ -236,8 +236,9 @@ class World:
     world_size: int
     device: torch.device
     # Small CPU messages, such as the step sync's, go over this gloo group. On GPUs it is a
-    # group beside the NCCL group, because NCCL moves only GPU tensors, in the GPU's queue of work.
-    # On CPUs it is the process group itself. One process has no group.
+    # group beside the NCCL group. NCCL moves only GPU tensors, in the GPU's queue of work, so a
+    # number sent over NCCL would wait for the GPU. On CPUs it is the process group itself. One
+    # process has no group.
     gloo_group: object = None
 
 
@@ -536,7 +537,8 @@ def train(args, world):
         micro_batches = iter(state.loader)  # Each step takes its --grad-accum batches from here.
         for step in range(progress.step + 1, last_step_of_epoch + 1):
             log_now = args.log_every > 0 and step % args.log_every == 0
-            # The step takes its --grad-accum batches. A stream that has ended gives fewer.
+            # The step takes the loader's next --grad-accum batches. islice stops early where a
+            # stream has ended, so the list then holds fewer.
             batches = list(itertools.islice(micro_batches, plan.grad_accum))
             epoch_ends = step % plan.steps_per_epoch == 0
             lr, grad_norm = train_step(args, world, state, batches, step_sync, log_now, epoch_ends)
@@ -951,8 +953,9 @@ def finish_resumed_step(args, world, state):
     are two cases.
     - metrics.jsonl lacks the step's record. All ranks evaluate the step now, and rank 0 writes the
       record. This also steps each ReduceLROnPlateau.
-    - metrics.jsonl has the record. Nothing is evaluated again. But the saved ReduceLROnPlateau has
-      not seen the record's eval loss, so it steps with that loss now.
+    - metrics.jsonl has the record. Nothing is evaluated again. The checkpoint was saved before
+      that evaluation, so the saved ReduceLROnPlateau has not stepped with the record's eval loss.
+      It steps with that loss now.
     A new run starts at step 0, and a step without an eval or epoch record has nothing to finish."""
     step = state.progress.step
     records_in_file = truncate_metrics_after(args, world, step)
@@ -1275,7 +1278,8 @@ def read_checkpoint(out_dir):
             continue
         try:
             # Trap: Without map_location, every rank loads onto the GPU that saved the file. mmap
-            # lets the ranks of a node share the file's pages instead of each holding a copy.
+            # lets the ranks of a node share the file's pages while they restore. Without it, each
+            # rank of a node reads the whole file into its own memory at the same time.
             checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:
             problems.append(f"{path} is unreadable ({one_line(exc)})")
