@@ -1169,9 +1169,7 @@ def save_checkpoint(args, world, state):
             "the stream's state_dict() holds values other than ints, floats, strings, lists and "
             "dicts with string keys: make them plain, so that a checkpoint can hold them",
         )
-    unmap_optimizer_state(
-        state.optimizers
-    )  # Trap: This matters on the CPU. Its docstring says why.
+    unmap_optimizer_state(state.optimizers)  # Trap: Its docstring says why this matters on the CPU.
     if world.rank == 0:  # DDP: Only rank 0 writes the checkpoint.
         # Plain values let a weights_only torch.load read the progress and the flags back.
         plain_args = {}
