@@ -1642,11 +1642,11 @@ def fresh_rendezvous_store(timeout):
     torchrun_store = dist.TCPStore(host, int(env["MASTER_PORT"]), timeout=timeout)
     if env["RANK"] == "0":
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        torchrun_store.set("ddp_train_fresh_rendezvous_store", str(store.port))
+        torchrun_store.set("ddp_train_round_store", str(store.port))
         return store
     deadline = time.monotonic() + timeout.total_seconds()
     while time.monotonic() < deadline:
-        port = int(torchrun_store.get("ddp_train_fresh_rendezvous_store"))
+        port = int(torchrun_store.get("ddp_train_round_store"))
         try:
             socket.create_connection((host, port), timeout=10).close()
             return dist.TCPStore(host, port, timeout=timeout)
