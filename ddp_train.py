@@ -560,7 +560,7 @@ def after_step(args, world, state, step_sync, throughput, grad_norm, log_now):
     plan = state.plan
     periodic_save = args.save_every > 0 and step % args.save_every == 0
     record_kind = due_record_kind(args, state, step)  # It is "epoch", "eval" or None.
-    # Every evaluation saves first, so that a kill during the evaluation loses no step (block 4).
+    # A step that evaluates also saves, for the reason that block 4 gives.
     save_now = periodic_save or record_kind is not None or step_sync.should_stop
     # 1. A record and a checkpoint both need the losses of all ranks. A checkpoint holds their sums.
     if log_now or save_now:
@@ -1194,15 +1194,17 @@ def save_checkpoint(args, world, state):
 
 
 def unmap_optimizer_state(optimizers):
-    """Trap: Before a save, each rank copies its optimizer's CPU tensors into memory of its own.
-    read_checkpoint() maps the checkpoint's file, so that the ranks of a node share its pages. On
-    the CPU, a resumed optimizer keeps those mapped tensors as its state. The next save deletes the
-    old file, but a deleted file keeps its disk space while a process maps it. After the copy, no
-    tensor maps the file. On a GPU, the state moved to the GPU at the resume, so it maps nothing."""
+    """Trap: Before a save, each rank copies the optimizer's tensors that map the old checkpoint's
+    file into memory of its own. read_checkpoint() maps the file, so that the ranks of a node
+    share its pages. On the CPU, a resumed optimizer keeps those mapped tensors as its state. The
+    next save deletes the old file, but a deleted file keeps its disk space while a process maps
+    it. On a GPU, the state moved to the GPU at the resume, so it maps nothing. A tensor that maps
+    a file cannot be resized, because the file fixes its size. So `not resizable()` finds the
+    mapped tensors, and only those are copied."""
     for optimizer in optimizers:
         for values in optimizer.state.values():
             for key, value in values.items():
-                if torch.is_tensor(value) and value.device.type == "cpu":
+                if torch.is_tensor(value) and not value.untyped_storage().resizable():
                     values[key] = value.clone()
 
 
