@@ -392,7 +392,7 @@ class TrainState:
     progress: SavedProgress
     raw_model: nn.Module  # This is the model itself. We save and evaluate it, and report() gets it.
     ddp_model: nn.Module  # DDP's wrapper gives no_sync(). One process has only the model here.
-    train_model: nn.Module  # Training calls this. It is ddp_model, or its compiled form.
+    forward_model: nn.Module  # The forward runs on it. It is ddp_model, or its compiled form.
     stateful_parts: dict  # A checkpoint saves and restores each of these by its name.
     averaged_models: dict  # These follow the model's weights, as build_averaged_models() says.
     optimizers: list
@@ -464,11 +464,11 @@ def setup_training(args, world):
         ddp_model = DDP(
             model, find_unused_parameters=args.find_unused_parameters, gradient_as_bucket_view=True
         )
-    train_model = ddp_model
+    forward_model = ddp_model
     # We compile the DDP model, not the model inside it. Then torch.compile splits its graph where
     # DDP's buckets end, so each bucket's all-reduce still overlaps the rest of the backward.
     if args.compile:
-        train_model = torch.compile(ddp_model)
+        forward_model = torch.compile(ddp_model)
     if world.rank == 0:  # Rank 0 writes only now, after every check, so a mistake writes nothing.
         os.makedirs(args.out_dir, exist_ok=True)
     return TrainState(
@@ -476,7 +476,7 @@ def setup_training(args, world):
         progress=progress,
         raw_model=model,
         ddp_model=ddp_model,
-        train_model=train_model,
+        forward_model=forward_model,
         stateful_parts=stateful_parts,
         averaged_models=averaged_models,
         optimizers=optimizers,
@@ -620,7 +620,7 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
             gradient_sync = contextlib.nullcontext()
         with gradient_sync:
             with state.autocast:
-                output = compute_loss(state.train_model, batch, args)
+                output = compute_loss(state.forward_model, batch, args)
             loss, metrics = check_loss_output(output, count)
             add_means(state.unreduced_sums, {"loss": loss, **metrics}, count)
             # DDP: DDP averages the gradients over the ranks. So each mean is multiplied by its
