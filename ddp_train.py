@@ -372,8 +372,8 @@ class SavedProgress:
     # record.
     epoch_totals: Totals = dataclasses.field(default_factory=Totals)
     totals_since_log: Totals = dataclasses.field(default_factory=Totals)
-    # This is the training time of this epoch's steps so far. A resumed epoch adds to it, so the
-    # time between a stop and its rerun is not counted.
+    # These are the seconds since this epoch started, with its evaluations and saves. A resumed
+    # epoch adds to them, so the time between a stop and its rerun is not counted.
     epoch_seconds: float = 0.0
 
     def start_epoch(self):
@@ -526,20 +526,21 @@ def train(args, world):
     throughput = Throughput(progress.step, plan.total_steps)
     for epoch in range(progress.step // plan.steps_per_epoch, plan.epochs):
         last_step_of_epoch = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
+        # A resumed epoch has trained some of its steps already. It skips them and keeps its totals.
+        steps_done_in_epoch = progress.step - epoch * plan.steps_per_epoch
         if not plan.stream:  # A stream has no sampler, and its state_dict() holds its place.
             state.sampler.set_epoch(epoch)  # DDP: Trap: Each epoch needs it for its own shuffle.
-            # A resumed epoch skips the steps that it has already trained, and it keeps its totals.
-            state.batch_sampler.skip_steps = progress.step - epoch * plan.steps_per_epoch
-        if progress.step == epoch * plan.steps_per_epoch:
+            state.batch_sampler.skip_steps = steps_done_in_epoch
+        if steps_done_in_epoch == 0:
             progress.start_epoch()
         epoch_started = time.perf_counter()
         saved_seconds = progress.epoch_seconds  # A resumed epoch counts on from these.
-        micro_batches = iter(state.loader)  # Each step takes its --grad-accum batches from here.
+        loader_iterator = iter(state.loader)  # Each step takes its --grad-accum batches from here.
         for step in range(progress.step + 1, last_step_of_epoch + 1):
             log_now = args.log_every > 0 and step % args.log_every == 0
             # The step takes the loader's next --grad-accum batches. islice stops early where a
             # stream has ended, so the list then holds fewer.
-            batches = list(itertools.islice(micro_batches, plan.grad_accum))
+            batches = list(itertools.islice(loader_iterator, plan.grad_accum))
             epoch_ends = step % plan.steps_per_epoch == 0
             lr, grad_norm = train_step(args, world, state, batches, step_sync, log_now, epoch_ends)
             progress.step = step
@@ -551,47 +552,6 @@ def train(args, world):
                 return EXIT_STOPPED  # The rerun runs the evaluation that the stop skipped.
     step_sync.restore_signal_handlers()
     return end_run(args, world, state)
-
-
-def after_step(args, world, state, step_sync, throughput, grad_norm, log_now):
-    """All ranks finish a step, and return whether the run stops after it. The numbered comments
-    give the order, and they say why each comes where it does."""
-    step = state.progress.step
-    plan = state.plan
-    periodic_save = args.save_every > 0 and step % args.save_every == 0
-    record_kind = due_record_kind(args, state, step)  # It is "epoch", "eval" or None.
-    # A step that evaluates also saves, for the reason that block 4 gives.
-    save_now = periodic_save or record_kind is not None or step_sync.should_stop
-    # 1. A record and a checkpoint both need the losses of all ranks. A checkpoint holds their sums.
-    if log_now or save_now:
-        sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
-        check_finite(sums["loss"], state.raw_model, step)
-    # 2. The progress record reaches metrics.jsonl before the save, so a crash cannot lose it.
-    record = None
-    if log_now:
-        record = progress_record(plan, state.progress, grad_norm, throughput)
-        write_record(args, world, record, plan.total_steps)
-        state.progress.totals_since_log = Totals()
-    # 3. The final checkpoint marks the run as finished, so model.pt comes before it. After a kill
-    # between the two, the rerun trains the last steps again and writes both files. A rerun that
-    # finds the final checkpoint writes model.pt again from it.
-    if step == plan.total_steps and world.rank == 0:  # DDP: Only rank 0 writes.
-        save_weights(args, state)
-    # 4. The save comes before the evaluation, so a kill during the evaluation loses no step.
-    if save_now:
-        save_checkpoint(args, world, state)
-    # 5. report() comes after the save, so that a logger can read the checkpoint of its step.
-    if record is not None and world.rank == 0:
-        report(record, args, state.raw_model)
-    # 6. A stop skips the evaluation, and the rerun runs it. finish_resumed_step() says how.
-    if step_sync.should_stop and step < plan.total_steps:
-        step_sync.restore_signal_handlers()
-        log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
-        return True
-    # 7. The evaluation and its record come last.
-    if record_kind is not None:
-        evaluate_and_record(args, world, state, record_kind)
-    return False
 
 
 def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
@@ -654,6 +614,47 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
     for averaged in state.averaged_models.values():
         averaged.update_parameters(state.raw_model)
     return lr, grad_norm
+
+
+def after_step(args, world, state, step_sync, throughput, grad_norm, log_now):
+    """All ranks finish a step, and return whether the run stops after it. The numbered comments
+    give the order, and they say why each comes where it does."""
+    step = state.progress.step
+    plan = state.plan
+    periodic_save = args.save_every > 0 and step % args.save_every == 0
+    record_kind = due_record_kind(args, state, step)  # It is "epoch", "eval" or None.
+    # A step that evaluates also saves, for the reason that block 4 gives.
+    save_now = periodic_save or record_kind is not None or step_sync.should_stop
+    # 1. A record and a checkpoint both need the losses of all ranks. A checkpoint holds their sums.
+    if log_now or save_now:
+        sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
+        check_finite(sums["loss"], state.raw_model, step)
+    # 2. The progress record reaches metrics.jsonl before the save, so a crash cannot lose it.
+    record = None
+    if log_now:
+        record = progress_record(plan, state.progress, grad_norm, throughput)
+        write_record(args, world, record, plan.total_steps)
+        state.progress.totals_since_log = Totals()
+    # 3. The final checkpoint marks the run as finished, so model.pt comes before it. After a kill
+    # between the two, the rerun trains the last steps again and writes both files. A rerun that
+    # finds the final checkpoint writes model.pt again from it.
+    if step == plan.total_steps and world.rank == 0:  # DDP: Only rank 0 writes.
+        save_weights(args, state)
+    # 4. The save comes before the evaluation, so a kill during the evaluation loses no step.
+    if save_now:
+        save_checkpoint(args, world, state)
+    # 5. report() comes after the save, so that a logger can read the checkpoint of its step.
+    if record is not None and world.rank == 0:
+        report(record, args, state.raw_model)
+    # 6. A stop skips the evaluation, and the rerun runs it. finish_resumed_step() says how.
+    if step_sync.should_stop and step < plan.total_steps:
+        step_sync.restore_signal_handlers()
+        log(f"stopped by a signal at step {step}, and saved. Rerun to resume (exit 75)")
+        return True
+    # 7. The evaluation and its record come last.
+    if record_kind is not None:
+        evaluate_and_record(args, world, state, record_kind)
+    return False
 
 
 def check_step_sync(step_sync, state):
@@ -805,8 +806,10 @@ def add_means(sums, means, count):
 def check_step_items(global_items, plan):
     """A step of samples holds exactly the global batch. Another count means that count_items
     counts something else, such as tokens, and then every mean would be wrong."""
+    if COUNT_UNIT != "samples":
+        return
     check(
-        COUNT_UNIT != "samples" or global_items == plan.global_batch,
+        global_items == plan.global_batch,
         f"count_items counted {global_items} items in a step of {plan.global_batch} samples, but "
         'COUNT_UNIT is samples: count the samples, or set COUNT_UNIT to "tokens"',
     )
@@ -948,14 +951,15 @@ def finish_resumed_step(args, world, state):
     """All ranks finish the step that the run resumes from, as the stopped run would have.
 
     First, rank 0 deletes the records past that step from metrics.jsonl, because this run writes
-    them again. Then the step's own eval or epoch record needs care. after_step() saves the
-    checkpoint before it evaluates, so a run can stop after the save and before the record. There
-    are two cases.
-    - metrics.jsonl lacks the step's record. All ranks evaluate the step now, and rank 0 writes the
-      record. This also steps each ReduceLROnPlateau.
-    - metrics.jsonl has the record. Nothing is evaluated again. The checkpoint was saved before
-      that evaluation, so the saved ReduceLROnPlateau has not stepped with the record's eval loss.
-      It steps with that loss now.
+    them again. Then the step's own eval or epoch record needs care. Take an evaluation at step
+    500. after_step() saves the checkpoint of step 500, and then it evaluates, writes the record and
+    steps each ReduceLROnPlateau with the eval loss. So the checkpoint holds the plateau scheduler
+    from before that step. A stop signal skips the evaluation, and a kill can come at any point.
+    - metrics.jsonl lacks the record of step 500. The run ended before its evaluation did. So all
+      ranks evaluate now, write the record and step each ReduceLROnPlateau.
+    - metrics.jsonl has the record. The evaluation ended, but the plateau's step was lost with the
+      process. So each ReduceLROnPlateau steps now with the record's eval loss, and nothing is
+      evaluated again.
     A new run starts at step 0, and a step without an eval or epoch record has nothing to finish."""
     step = state.progress.step
     records_in_file = truncate_metrics_after(args, world, step)
@@ -1194,13 +1198,17 @@ def save_checkpoint(args, world, state):
 
 
 def unmap_optimizer_state(optimizers):
-    """Trap: Before a save, each rank copies the optimizer's tensors that map the old checkpoint's
-    file into memory of its own. read_checkpoint() maps the file, so that the ranks of a node
-    share its pages. On the CPU, a resumed optimizer keeps those mapped tensors as its state. The
-    next save deletes the old file, but a deleted file keeps its disk space while a process maps
-    it. On a GPU, the state moved to the GPU at the resume, so it maps nothing. A tensor that maps
-    a file cannot be resized, because the file fixes its size. So `not resizable()` finds the
-    mapped tensors, and only those are copied."""
+    """Trap: Each rank copies the optimizer's tensors that still map the old checkpoint's file.
+    Then the save can delete that file for good, since a deleted file keeps its disk space while a
+    process maps it.
+
+    read_checkpoint() maps the file, so that the ranks of a node share its pages. The model's
+    load_state_dict() copies the saved tensors into the model's own tensors. The optimizer's
+    load_state_dict() keeps a saved tensor itself where its device and dtype are already right, as
+    they are on the CPU. So a resumed CPU optimizer keeps tensors that map the file. On a GPU, the
+    state moved to the GPU at the resume. torch cannot resize a tensor that maps a file, because
+    the file fixes its size. So `not resizable()` finds the mapped tensors, and only those are
+    copied."""
     for optimizer in optimizers:
         for values in optimizer.state.values():
             for key, value in values.items():
@@ -1418,8 +1426,10 @@ def build_task(args, world):
         eval_set = []
     stream = isinstance(train_set, torch.utils.data.IterableDataset)
     for name, dataset in [("training", train_set), ("eval", eval_set)]:
+        if name == "training" and stream:
+            continue  # A stream has no length. make_train_loader() says how it trains.
         check(
-            hasattr(dataset, "__len__") or (name == "training" and stream),
+            hasattr(dataset, "__len__"),
             f"the {name} set is a {type(dataset).__name__} without a length: DistributedSampler "
             "needs a map-style Dataset (with __len__ and __getitem__), which gives every rank an "
             "exact share and lets a stopped run resume at the very sample it stopped at",
@@ -1429,10 +1439,8 @@ def build_task(args, world):
             hasattr(train_set, "state_dict") and hasattr(train_set, "load_state_dict"),
             "the training stream has no state_dict() and load_state_dict(): add them",
         )
-        check(
-            args.workers == 0 or args.eval_only,
-            "a stream keeps its place in the workers: pass --workers 0",
-        )
+    if stream and not args.eval_only:  # --eval-only starts no training loader.
+        check(args.workers == 0, "a stream keeps its place in the workers: pass --workers 0")
     parameters = list(inspect.signature(collate_fn).parameters)
     check(
         parameters[1:] == ["args", "training"],
@@ -1627,11 +1635,13 @@ def fresh_rendezvous_store(timeout):
 
     A store is the key-value server where the processes find each other when they join the
     process group. A round is one start of the workers. torchrun starts a new round at each
-    restart and at each change of nodes.
+    restart and at each change of nodes. torchrun sets TORCHELASTIC_USE_AGENT_STORE=True when its
+    workers share its own store, and --spawn sets it too.
 
     Trap: torchrun 2.5 and later keeps one store for all the rounds of a job. The keys that the
     old round's process group wrote are still there, and a new round would read them and wait for
-    workers that are gone (pytorch/pytorch#135712). So each round makes a store of its own:
+    workers that are gone (pytorch/pytorch#135712). The first round works without this function,
+    and only a later round would hang. So each round makes a store of its own:
     1. Rank 0 serves a new, empty store on a free port.
     2. Rank 0 writes that port into torchrun's store, under one key that every round uses.
     3. The other ranks read the port from that key. The read waits until some round has written it.
@@ -1802,25 +1812,28 @@ def one_line(exc):
 # Each of these works around a behaviour of some torch versions. Each names the versions that need
 # it and the test that guards it. A copy may delete one only for the versions that do not need it.
 
-# Trap: Keep this import, although nothing here uses it. It prevents an abort at exit. The functions
-# of torch.distributed.nn.functional have the default argument group=group.WORLD, and Python
-# computes a default once, when it imports a module. If DDP imported this module after
-# init_process_group, each default would keep a reference to our process group. Then gloo's
-# threads would live until the interpreter exits, and there they can abort a run that has already
-# saved ("terminate called"). Python runs this line when it imports this file, before main() makes
-# any group, so each default holds None. test_no_thread_of_the_process_group_outlives_main guards
-# it. Without this import, that test fails on torch 2.13 and 2.15, and not on 2.4.1.
+# Trap: Keep this import, although nothing here uses it. It prevents an abort at exit.
+# 1. The functions of torch.distributed.nn.functional take group=group.WORLD as a default argument.
+#    Python computes a default once, when it imports the module, and the default stays for good.
+# 2. DDP imports that module. Had it done so after init_process_group, each default would hold our
+#    process group for good, and destroy_process_group() could not free the group.
+# 3. Then gloo's threads would live until the interpreter exits, and there they can abort a run
+#    that has already saved ("terminate called").
+# This line runs when Python imports this file, before main() makes any group. So each default
+# holds None. test_no_thread_of_the_process_group_outlives_main guards it. Without this import,
+# that test fails on torch 2.13 and 2.15, and not on 2.4.1.
 import torch.distributed.nn.functional  # noqa: E402, F401
 
 
 def destroy_process_group_gloo_last(world):
-    """Trap: On torch before 2.8, destroy_process_group() can hang (pytorch#154976). It frees gloo's
-    backend while it holds the GIL, and the backend waits for its threads, which wait for the GIL.
-    So we keep a reference to the backend, which torch's private _get_backend() gives, and
-    destroy_process_group() cannot free it. Our `del` frees it last. torch's Python handle lets go
-    of the GIL before it frees a backend, so gloo's threads can finish. The version tier on torch
-    2.4.1 guards it, where runs of two processes would hang at exit now and then. On torch 2.8 and
-    later, destroy_process_group() is enough."""
+    """Trap: On torch before 2.8, destroy_process_group() can hang (pytorch#154976).
+    1. destroy_process_group() frees gloo's backend while it holds the GIL.
+    2. The backend waits for its threads to end, and the threads wait for the GIL. So both wait.
+    So we keep a reference of our own to the backend, which torch's private _get_backend() gives.
+    Then destroy_process_group() cannot free the backend. Our `del` frees it last, through torch's
+    Python handle, which lets go of the GIL before it frees a backend. So gloo's threads can end.
+    The version tier on torch 2.4.1 guards it, where runs of two processes would hang at exit now
+    and then. On torch 2.8 and later, destroy_process_group() is enough."""
     gloo_backend = world.gloo_group._get_backend(torch.device("cpu"))
     world.gloo_group = None  # Then only gloo_backend keeps the backend alive.
     dist.destroy_process_group()
