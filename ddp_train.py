@@ -562,9 +562,9 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
     stream_ended = len(batches) < state.plan.grad_accum  # Only a stream ends inside an epoch.
     step_sync.start(sum(counts), stream_ended)
     # DDP: Each micro-batch's weight needs the step's count of items over all ranks. For samples,
-    # the plan knows that count. So the step sync's all-reduce runs while the step computes, and its
-    # check comes after the backward and before the optimizer step. A count of tokens, or of a
-    # stream, comes only from the all-reduce, so the step waits for it before the first forward.
+    # the plan knows that count. So the step sync's all-reduce runs while the step computes, and the
+    # step reads its sums at its end. A count of tokens, or of a stream, comes only from the
+    # all-reduce, so the step waits for it before the first forward.
     global_items = state.plan.global_batch
     needs_count_before_forward = COUNT_UNIT != "samples" or state.plan.stream
     if needs_count_before_forward:
@@ -590,10 +590,6 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
             # scaler scales a mean, never a sum.
             weight = count * world.world_size / global_items
             state.scaler.scale(loss * weight).backward()
-    if not needs_count_before_forward:
-        step_sync.finish()
-        check_step_sync(step_sync, state)
-    state.global_items_since_reduce += step_sync.global_items
     grad_norm = None
     if args.clip_grad_norm or log_now:
         for optimizer in state.optimizers:
@@ -613,6 +609,10 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
     state.scaler.update()
     for averaged in state.averaged_models.values():
         averaged.update_parameters(state.raw_model)
+    if not needs_count_before_forward:
+        step_sync.finish()  # Waiting here costs less than waiting right after the backward.
+        check_step_sync(step_sync, state)
+    state.global_items_since_reduce += step_sync.global_items
     return lr, grad_norm
 
 
@@ -693,7 +693,7 @@ class StepSync:
     stop signals that they got, their counts of the step's items, and whether their streams have
     ended. So every rank knows the step's count of items over all ranks, and all ranks stop after
     the same step. start() sends the numbers before the first forward, and finish() waits for the
-    sums. A step of samples calls finish() after its backward, so that it does not wait.
+    sums. A step of samples calls finish() at its end, so that it does not wait.
 
     Preemption sends SIGTERM or SIGUSR1, Ctrl-C sends SIGINT, and a closed terminal sends SIGHUP.
     Trap: The handler only notes the signal, because a collective inside a handler deadlocks."""
