@@ -547,7 +547,9 @@ def train(args, world):
             progress.step = step
             progress.lr = lr
             progress.epoch_seconds = saved_seconds + time.perf_counter() - epoch_started
-            throughput.add(step_sync.global_items)  # This counts the step's items on all ranks.
+            # The step sync gave the count of the step's items on all ranks.
+            state.global_items_since_reduce += step_sync.global_items
+            throughput.add(step_sync.global_items)
             stopped = after_step(args, world, state, step_sync, throughput, grad_norm, log_now)
             if stopped:
                 return EXIT_STOPPED  # The rerun runs the evaluation that the stop skipped.
@@ -563,8 +565,7 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
     stream_ended = len(batches) < state.plan.grad_accum  # Only a stream ends inside an epoch.
     step_sync.start(sum(counts), stream_ended)
     # DDP: Each micro-batch's weight needs the step's count of items over all ranks. For samples,
-    # the plan knows that count. So the step sync's all-reduce runs while the step computes, and the
-    # step reads its sums at its end. A count of tokens, or of a stream, comes only from the
+    # the plan knows that count. A count of tokens, or of a stream, comes only from the step sync's
     # all-reduce, so the step waits for it before the first forward.
     global_items = state.plan.global_batch
     needs_count_before_forward = COUNT_UNIT != "samples" or state.plan.stream
@@ -611,9 +612,10 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
     for averaged in state.averaged_models.values():
         averaged.update_parameters(state.raw_model)
     if not needs_count_before_forward:
-        step_sync.finish()  # Waiting here costs less than waiting right after the backward.
+        # A step of samples reads the step sync's sums only now, so that it does not wait for them.
+        # The check of the count still comes before any record or save.
+        step_sync.finish()
         check_step_sync(step_sync, state)
-    state.global_items_since_reduce += step_sync.global_items
     return lr, grad_norm
 
 
@@ -823,6 +825,7 @@ def all_reduce_losses(world, state):
     device, and only the steps that log, evaluate or save reach it. It adds with SUM, because gloo
     does not support AVG on every torch version."""
     names = list(state.unreduced_sums)
+    # A metric that compute_loss gave as a float has its sum on the CPU, and .to() moves it.
     values = torch.stack([state.unreduced_sums[name].to(world.device) for name in names])
     if world.world_size > 1:
         dist.all_reduce(values)  # DDP: Add up every rank's sums.
@@ -951,26 +954,24 @@ def evaluate_and_record(args, world, state, kind):
 def finish_resumed_step(args, world, state):
     """All ranks finish the step that the run resumes from, as the stopped run would have.
 
-    First, rank 0 deletes the records past that step from metrics.jsonl, because this run writes
-    them again. Then the step's own eval or epoch record needs care. Take an evaluation at step
-    500. after_step() saves the checkpoint of step 500, and then it evaluates, writes the record and
-    steps each ReduceLROnPlateau with the eval loss. So the checkpoint holds the plateau scheduler
-    from before that step. A stop signal skips the evaluation, and a kill can come at any point.
-    - metrics.jsonl lacks the record of step 500. The run ended before its evaluation did. So all
-      ranks evaluate now, write the record and step each ReduceLROnPlateau.
-    - metrics.jsonl has the record. The evaluation ended, but the plateau's step was lost with the
-      process. So each ReduceLROnPlateau steps now with the record's eval loss, and nothing is
-      evaluated again.
-    A new run starts at step 0, and a step without an eval or epoch record has nothing to finish."""
+    Rank 0 first deletes the records past that step from metrics.jsonl, because this run writes
+    them again. Then the step's own eval or epoch record needs care. after_step() saves a step's
+    checkpoint before it evaluates, and the evaluation steps each ReduceLROnPlateau. So the
+    checkpoint holds the plateau scheduler from before that step, and a run can end after the save
+    by a stop signal, which skips the evaluation, or by a kill at any point."""
     step = state.progress.step
     records_in_file = truncate_metrics_after(args, world, step)
     kind = due_record_kind(args, state, step)
     if step == 0 or kind is None:
-        return
-    if kind in records_in_file:
-        step_plateau_schedulers(state, records_in_file[kind])
-    else:
+        return  # A new run, or a step without an eval or epoch record, has nothing to finish.
+    if kind not in records_in_file:
+        # The run ended before its evaluation did. So all ranks evaluate now. This also writes the
+        # record and steps each ReduceLROnPlateau.
         evaluate_and_record(args, world, state, kind)
+    else:
+        # The evaluation and its record were done. But the checkpoint was saved before the
+        # plateau's step, so each ReduceLROnPlateau takes that step now, with the record's loss.
+        step_plateau_schedulers(state, records_in_file[kind])
 
 
 def step_plateau_schedulers(state, record):
@@ -1199,9 +1200,10 @@ def save_checkpoint(args, world, state):
 
 
 def unmap_optimizer_state(optimizers):
-    """Trap: Each rank copies the optimizer's tensors that still map the old checkpoint's file.
-    Then the save can delete that file for good, since a deleted file keeps its disk space while a
-    process maps it.
+    """Trap: On the CPU, a resumed optimizer's state maps the checkpoint's file. So before a save,
+    each rank copies those tensors into memory of its own. Then the save can delete the old file
+    for good, since a deleted file keeps its disk space while a process maps it. On a GPU, this
+    copies nothing.
 
     read_checkpoint() maps the file, so that the ranks of a node share its pages. The model's
     load_state_dict() copies the saved tensors into the model's own tensors. The optimizer's
@@ -1822,7 +1824,8 @@ def one_line(exc):
 #    that has already saved ("terminate called").
 # This line runs when Python imports this file, before main() makes any group. So each default
 # holds None. test_no_thread_of_the_process_group_outlives_main guards it. Without this import,
-# that test fails on torch 2.13 and 2.15, and not on 2.4.1.
+# that test fails on torch 2.13 and 2.15, and not on 2.4.1. The versions between were not measured,
+# so keep the import unless that test passes without it on your torch.
 import torch.distributed.nn.functional  # noqa: E402, F401
 
 
@@ -1834,7 +1837,8 @@ def destroy_process_group_gloo_last(world):
     Then destroy_process_group() cannot free the backend. Our `del` frees it last, through torch's
     Python handle, which lets go of the GIL before it frees a backend. So gloo's threads can end.
     The version tier on torch 2.4.1 guards it, where runs of two processes would hang at exit now
-    and then. On torch 2.8 and later, destroy_process_group() is enough."""
+    and then. On torch 2.8 and later, destroy_process_group() is enough, and a copy for those
+    versions may call it in place of this function."""
     gloo_backend = world.gloo_group._get_backend(torch.device("cpu"))
     world.gloo_group = None  # Then only gloo_backend keeps the backend alive.
     dist.destroy_process_group()
