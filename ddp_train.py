@@ -342,9 +342,9 @@ class Plan:
 
 @dataclasses.dataclass
 class Totals:
-    """The sums of the loss and the metrics over some steps of all ranks, and the count of their
-    items. Each sum adds up means multiplied by their counts, so a sum over the count is an exact
-    mean."""
+    """The sums of the loss and the metrics over some items, and the count of those items. Each sum
+    adds up means multiplied by their counts, so a sum over the count is an exact mean. One rank's
+    sums since the last loss all_reduce stay tensors on the device, and the others are floats."""
 
     sums: dict = dataclasses.field(default_factory=dict)
     count: int = 0
@@ -353,6 +353,13 @@ class Totals:
         for name, value in sums.items():
             self.sums[name] = self.sums.get(name, 0.0) + value
         self.count += count
+
+    def add_means(self, means, count):
+        """Add each mean of a batch, multiplied by the batch's count of items."""
+        sums = {}
+        for name, mean in means.items():
+            sums[name] = torch.as_tensor(mean, dtype=torch.float64).detach() * count
+        self.add(sums, count)
 
     def means(self, prefix):
         """Return {prefix + name: mean}, or {} where no item was counted."""
@@ -386,8 +393,8 @@ class SavedProgress:
 @dataclasses.dataclass
 class TrainState:
     """Everything that training holds. setup_training() makes it. Then only the loop changes it,
-    and the functions that the loop calls: train_step(), after_step(), all_reduce_losses(), and
-    evaluate_and_record(), which steps a ReduceLROnPlateau."""
+    and the functions that the loop calls: train_step(), after_step() and evaluate_and_record(),
+    which steps a ReduceLROnPlateau."""
 
     plan: Plan
     progress: SavedProgress
@@ -404,13 +411,9 @@ class TrainState:
     batch_sampler: "ResumableBatchSampler"  # A stream has none either.
     loader: DataLoader
     eval_loader: DataLoader
-    # These hold this rank's sums of the loss and the metrics since the last loss all_reduce. The
-    # sums stay tensors on the device, so that no step waits for the GPU. The loss all_reduce adds
-    # up the sums of all ranks.
-    unreduced_sums: dict = dataclasses.field(default_factory=dict)
-    # This counts the items of the same steps over all ranks. The step sync gives each step's
-    # count, so the count needs no all_reduce of its own.
-    global_items_since_reduce: int = 0
+    # These are this rank's totals since the last loss all_reduce, which adds up those of all ranks.
+    # Their sums stay tensors on the device, so that no step waits for the GPU.
+    unreduced: Totals = dataclasses.field(default_factory=Totals)
 
 
 @errors.record  # Under torchrun, this puts a worker's traceback in torchrun's failure summary.
@@ -547,8 +550,6 @@ def train(args, world):
             progress.step = step
             progress.lr = lr
             progress.epoch_seconds = saved_seconds + time.perf_counter() - epoch_started
-            # The step sync gave the count of the step's items on all ranks.
-            state.global_items_since_reduce += step_sync.global_items
             throughput.add(step_sync.global_items)
             stopped = after_step(args, world, state, step_sync, throughput, grad_norm, log_now)
             if stopped:
@@ -584,7 +585,7 @@ def train_step(args, world, state, batches, step_sync, log_now, epoch_ends):
             with state.autocast:
                 output = compute_loss(state.forward_model, batch, args)
             loss, metrics = check_loss_output(output, count)
-            add_means(state.unreduced_sums, {"loss": loss, **metrics}, count)
+            state.unreduced.add_means({"loss": loss, **metrics}, count)
             # DDP: DDP averages the gradients over the ranks. So each mean is multiplied by its
             # count over the step's count, times the world size. Then the gradient is the exact
             # mean over all the items of the step. When every batch holds the same count, the
@@ -630,8 +631,11 @@ def after_step(args, world, state, step_sync, throughput, grad_norm, log_now):
     save_now = periodic_save or record_kind is not None or step_sync.should_stop
     # 1. A record and a checkpoint both need the losses of all ranks. A checkpoint holds their sums.
     if log_now or save_now:
-        sums = all_reduce_losses(world, state)  # DDP: This is the loss all_reduce.
-        check_finite(sums["loss"], state.raw_model, step)
+        reduced = all_reduce_losses(world, state.unreduced)  # DDP: This is the loss all_reduce.
+        state.unreduced = Totals()
+        check_finite(reduced.sums["loss"], state.raw_model, step)
+        state.progress.epoch_totals.add(reduced.sums, reduced.count)
+        state.progress.totals_since_log.add(reduced.sums, reduced.count)
     # 2. The progress record reaches metrics.jsonl before the save, so a crash cannot lose it.
     record = None
     if log_now:
@@ -799,13 +803,6 @@ def check_loss_output(output, count):
     return loss, metrics
 
 
-def add_means(sums, means, count):
-    """Add each mean multiplied by its count to the sums. They stay tensors on the device."""
-    for name, mean in means.items():
-        value = torch.as_tensor(mean, dtype=torch.float64).detach() * count
-        sums[name] = sums.get(name, 0.0) + value
-
-
 def check_step_items(global_items, plan):
     """A step of samples holds exactly the global batch. Another count means that count_items
     counts something else, such as tokens, and then every mean would be wrong."""
@@ -818,23 +815,21 @@ def check_step_items(global_items, plan):
     )
 
 
-def all_reduce_losses(world, state):
-    """All ranks add up their sums since the last call. They add the sums and the count of their
-    items to the totals of the epoch and of the next progress record. Return the sums of all ranks,
-    as floats. This is the tutorials' loss all_reduce. It is the one place where training reads the
-    device, and only the steps that log, evaluate or save reach it. It adds with SUM, because gloo
-    does not support AVG on every torch version."""
-    names = list(state.unreduced_sums)
+def all_reduce_losses(world, totals):
+    """Return the totals of all ranks, from this rank's totals since the last call. This is the
+    tutorials' loss all_reduce. It is the one place where training reads the device, and only the
+    steps that log, evaluate or save reach it. It adds with SUM, because gloo does not support AVG
+    on every torch version."""
+    names = list(totals.sums)
     # A metric that compute_loss gave as a float has its sum on the CPU, and .to() moves it.
-    values = torch.stack([state.unreduced_sums[name].to(world.device) for name in names])
+    tensors = [totals.sums[name].to(world.device) for name in names]
+    # The count rides in the same all_reduce as the sums. A float64 holds it exactly.
+    tensors.append(torch.tensor(totals.count, dtype=torch.float64).to(world.device))
+    values = torch.stack(tensors)
     if world.world_size > 1:
-        dist.all_reduce(values)  # DDP: Add up every rank's sums.
-    sums = dict(zip(names, values.tolist()))
-    state.progress.epoch_totals.add(sums, state.global_items_since_reduce)
-    state.progress.totals_since_log.add(sums, state.global_items_since_reduce)
-    state.unreduced_sums = {}
-    state.global_items_since_reduce = 0
-    return sums
+        dist.all_reduce(values)  # DDP: Add up the sums and the counts of all ranks.
+    *sums, count = values.tolist()
+    return Totals(dict(zip(names, sums)), int(count))
 
 
 def check_finite(loss_sum, model, step):
@@ -871,20 +866,19 @@ def evaluate(args, world, model, eval_loader, autocast, prefix="eval_"):
             dist.broadcast(buffer, 0)
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
-    sums = {}
-    count = 0
+    rank_totals = Totals()
     for batch in eval_loader:
-        batch_count = count_items(batch)
+        count = count_items(batch)
         with autocast:
             output = compute_loss(model, to_device(batch, world.device), args)
-        loss, metrics = check_loss_output(output, batch_count)
-        add_means(sums, {"loss": loss, **metrics}, batch_count)
-        count += batch_count
+        loss, metrics = check_loss_output(output, count)
+        rank_totals.add_means({"loss": loss, **metrics}, count)
     # Trap: Do not call model.train(). A part that the task froze in eval mode must stay so.
     for module, training in modes:
         module.train(training)
     # A rank's share may be empty, with no names in its sums. So the ranks gather plain values.
-    this_rank = ({name: float(value) for name, value in sums.items()}, count)
+    plain_sums = {name: float(value) for name, value in rank_totals.sums.items()}
+    this_rank = (plain_sums, rank_totals.count)
     per_rank = [this_rank]
     if world.world_size > 1:
         per_rank = [None] * world.world_size
@@ -1166,12 +1160,10 @@ def save_checkpoint(args, world, state):
         dist.all_gather_object(rng_states, own_state, group=world.gloo_group)
     if state.plan.stream:  # Every rank checks every stream's state, so all ranks agree.
         # Trap: A value that a weights_only torch.load cannot read, such as numpy's int64, would
-        # make the checkpoint unreadable. JSON's plain values are safe.
+        # make the checkpoint unreadable.
         streams = [rank_state["stream"] for rank_state in rng_states]
-        # A JSON round trip gives back an equal value only when the value is plain.
-        round_trip = json.loads(json.dumps(streams, default=repr))
         check(
-            round_trip == streams,
+            is_plain(streams),
             "the stream's state_dict() holds values other than ints, floats, strings, lists and "
             "dicts with string keys: make them plain, so that a checkpoint can hold them",
         )
