@@ -294,7 +294,7 @@ def pick_device(local_rank):
         # LOCAL_WORLD_SIZE, and there too few GPUs are a mistake.
         index = 0
     else:
-        processes = os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)
+        processes = os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1))
         fail(
             f"{processes} processes on this node and {gpus} GPU(s), but NCCL needs one per "
             "process: start one per GPU, or train on the CPUs with CUDA_VISIBLE_DEVICES=",
@@ -864,7 +864,7 @@ def evaluate(args, world, model, eval_loader, autocast, prefix="eval_"):
         # DDP also sends rank 0's buffers to all ranks before each forward in training.
         for buffer in model.buffers():
             dist.broadcast(buffer, 0)
-    modes = [(module, module.training) for module in model.modules()]
+    training_modes = [(module, module.training) for module in model.modules()]
     model.eval()
     rank_totals = Totals()
     for batch in eval_loader:
@@ -874,7 +874,7 @@ def evaluate(args, world, model, eval_loader, autocast, prefix="eval_"):
         loss, metrics = check_loss_output(output, count)
         rank_totals.add_means({"loss": loss, **metrics}, count)
     # Trap: Do not call model.train(). A part that the task froze in eval mode must stay so.
-    for module, training in modes:
+    for module, training in training_modes:
         module.train(training)
     # A rank's share may be empty, with no names in its sums. So the ranks gather plain values.
     plain_sums = {name: float(value) for name, value in rank_totals.sums.items()}
@@ -1229,15 +1229,17 @@ def restore_checkpoint(args, world, stateful_parts, path, checkpoint):
     On another world size, the ranks keep the generators that were just seeded, because the
     checkpoint holds the states of other ranks."""
     saved_parts = checkpoint["parts"]
+    advice = "Use the saved ones"
+    if saved_parts.keys() != stateful_parts.keys():
+        fail(
+            f"{path} is of another model, optimizer or --amp: it holds {sorted(saved_parts)}, "
+            f"and this run has {sorted(stateful_parts)}. {advice}"
+        )
     try:
-        if saved_parts.keys() != stateful_parts.keys():
-            raise KeyError(
-                f"it holds {sorted(saved_parts)}, and this run has {sorted(stateful_parts)}"
-            )
         for name, part in stateful_parts.items():
             part.load_state_dict(saved_parts[name])
     except (RuntimeError, ValueError, KeyError) as exc:
-        fail(f"{path} is of another model, optimizer or --amp: {one_line(exc)}. Use the saved ones")
+        fail(f"{path} is of another model, optimizer or --amp: {one_line(exc)}. {advice}")
     saved_ranks = len(checkpoint["rng"])
     if saved_ranks == world.world_size:
         set_rng_state(checkpoint["rng"][world.rank])
@@ -1278,10 +1280,11 @@ def read_checkpoint(out_dir):
 
     Where the last checkpoint is damaged, it returns the one before it."""
     stem = f"{out_dir}/checkpoint"
-    paths = [f"{stem}.pt", f"{stem}.prev.pt"]
-    # A crash between atomic_save's two renames leaves the new checkpoint in the .tmp file.
-    if not os.path.exists(paths[0]):
-        paths.insert(1, f"{stem}.pt.tmp")
+    if os.path.exists(f"{stem}.pt"):
+        paths = [f"{stem}.pt", f"{stem}.prev.pt"]
+    else:
+        # A crash between atomic_save's two renames leaves the new checkpoint in the .tmp file.
+        paths = [f"{stem}.pt.tmp", f"{stem}.prev.pt"]
     problems = []
     for path in paths:
         if not os.path.exists(path):
@@ -1531,9 +1534,9 @@ def loader_options(args, world, workers, training):
 def make_eval_loader(args, world, eval_set):
     """Return the eval DataLoader. Its shares do not overlap, as evaluate() says. Its workers are
     --eval-workers, and the default of 0 keeps no worker idle while the run trains."""
-    share = range(world.rank, len(eval_set), world.world_size)
+    rank_indices = range(world.rank, len(eval_set), world.world_size)
     options = loader_options(args, world, args.eval_workers, training=False)
-    return DataLoader(eval_set, args.batch_size, sampler=share, **options)
+    return DataLoader(eval_set, args.batch_size, sampler=rank_indices, **options)
 
 
 def start_workers(loader):
