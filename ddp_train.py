@@ -949,23 +949,23 @@ def finish_resumed_step(args, world, state):
     """All ranks finish the step that the run resumes from, as the stopped run would have.
 
     Rank 0 first deletes the records past that step from metrics.jsonl, because this run writes
-    them again. Then the step's own eval or epoch record needs care. after_step() saves a step's
-    checkpoint before it evaluates, and the evaluation steps each ReduceLROnPlateau. So the
-    checkpoint holds the plateau scheduler from before that step, and a run can end after the save
-    by a stop signal, which skips the evaluation, or by a kill at any point."""
+    them again. Then the step's own eval or epoch record needs care. After such a step, after_step()
+    does three things in this order:
+    1. It saves the checkpoint, and this run resumed from it.
+    2. It evaluates, and rank 0 writes the record.
+    3. Each ReduceLROnPlateau steps with the record's eval loss.
+    A stop signal ends the run between 1 and 2, and a kill can end it anywhere. So the record may
+    be missing, and then all ranks do 2 and 3 now. If the record is there, only 3 is left to do,
+    because the checkpoint was saved before 3."""
     step = state.progress.step
     records_in_file = truncate_metrics_after(args, world, step)
     kind = due_record_kind(args, state, step)
     if step == 0 or kind is None:
         return  # A new run, or a step without an eval or epoch record, has nothing to finish.
     if kind not in records_in_file:
-        # The run ended before its evaluation did. So all ranks evaluate now. This also writes the
-        # record and steps each ReduceLROnPlateau.
-        evaluate_and_record(args, world, state, kind)
+        evaluate_and_record(args, world, state, kind)  # This does 2 and 3.
     else:
-        # The evaluation and its record were done. But the checkpoint was saved before the
-        # plateau's step, so each ReduceLROnPlateau takes that step now, with the record's loss.
-        step_plateau_schedulers(state, records_in_file[kind])
+        step_plateau_schedulers(state, records_in_file[kind])  # This does 3.
 
 
 def step_plateau_schedulers(state, record):
@@ -1167,7 +1167,7 @@ def save_checkpoint(args, world, state):
             "the stream's state_dict() holds values other than ints, floats, strings, lists and "
             "dicts with string keys: make them plain, so that a checkpoint can hold them",
         )
-    unmap_optimizer_state(state.optimizers)  # Trap: Its docstring says why this matters on the CPU.
+    unmap_optimizer_state(state.optimizers)  # Trap: Its docstring says why a resume needs this.
     if world.rank == 0:  # DDP: Only rank 0 writes the checkpoint.
         # Plain values let a weights_only torch.load read the progress and the flags back.
         plain_args = {}
@@ -1203,18 +1203,17 @@ def is_plain(value):
 
 
 def unmap_optimizer_state(optimizers):
-    """Trap: On the CPU, a resumed optimizer's state maps the checkpoint's file. So before a save,
-    each rank copies those tensors into memory of its own. Then the save can delete the old file
-    for good, since a deleted file keeps its disk space while a process maps it. On a GPU, this
-    copies nothing.
+    """Trap: A resumed optimizer keeps tensors that map the checkpoint's file, and a deleted file
+    keeps its disk space while a process maps it. So before a save, each rank copies those tensors
+    into memory of its own, and then the save deletes the old file for good.
 
     read_checkpoint() maps the file, so that the ranks of a node share its pages. The model's
     load_state_dict() copies the saved tensors into the model's own tensors. The optimizer's
-    load_state_dict() keeps a saved tensor itself where its device and dtype are already right, as
-    they are on the CPU. So a resumed CPU optimizer keeps tensors that map the file. On a GPU, the
-    state moved to the GPU at the resume. torch cannot resize a tensor that maps a file, because
-    the file fixes its size. So `not resizable()` finds the mapped tensors, and only those are
-    copied."""
+    load_state_dict() keeps a saved tensor itself where its device and dtype are already right. On
+    the CPU, that holds for its whole state. On a GPU, it holds only for the step counts of an
+    optimizer that is neither fused nor capturable, which stay on the CPU. torch cannot resize a
+    tensor that maps a file, because the file fixes its size. So `not resizable()` finds the mapped
+    tensors, and only those are copied."""
     for optimizer in optimizers:
         for values in optimizer.state.values():
             for key, value in values.items():
