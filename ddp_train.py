@@ -1649,7 +1649,8 @@ def fresh_rendezvous_store(timeout):
     Trap: torchrun 2.5 and later keeps one store for all the rounds of a job. The keys that the
     old round's process group wrote are still there, and a new round would read them and wait for
     workers that are gone (pytorch/pytorch#135712). The first round works without this function,
-    and only a later round would hang. So each round makes a store of its own:
+    and only a later round would hang. So a job that torchrun never restarts, with no
+    --max-restarts and a fixed --nnodes, does not need it. Here each round makes a store of its own:
     1. Rank 0 serves a new, empty store on a free port.
     2. Rank 0 writes that port into torchrun's store, under one key that every round uses.
     3. The other ranks read the port from that key. The read waits until some round has written it.
