@@ -720,7 +720,8 @@ class StepSync:
 
     def start(self, rank_items, stream_ended):
         """Send this rank's signals, its count of items and whether its stream has ended."""
-        # The all-reduce adds up each of the three numbers, and finish() reads them in this order.
+        # The all-reduce replaces each of the three numbers with its sum over all ranks, in place.
+        # finish() reads the sums in the same order.
         self.numbers = torch.tensor([len(self.signals), rank_items, int(stream_ended)])
         if self.world.world_size > 1:
             # DDP: This adds with SUM, and it runs while the step computes.
