@@ -1831,8 +1831,8 @@ def one_line(exc):
 #    that has already saved ("terminate called").
 # This line runs when Python imports this file, before main() makes any group. So each default
 # holds None. test_no_thread_of_the_process_group_outlives_main guards it. Without this import,
-# that test fails on torch 2.13 and 2.15, and not on 2.4.1. The versions between were not measured,
-# so keep the import unless that test passes without it on your torch.
+# that test fails on torch 2.5.1, 2.6, 2.8, 2.10, 2.13 and 2.15, and it passes on 2.4.1. So torch
+# 2.5 and later need the import.
 import torch.distributed.nn.functional  # noqa: E402, F401
 
 
@@ -1856,8 +1856,8 @@ def clear_traceback_frames(exc):
     """Trap: The frames of a traceback hold the DDP model and the loaders. Clearing them lets
     cleanup_distributed() free the model before the process group, so that an error that leaves the
     loop exits without an abort. test_no_thread_of_the_process_group_outlives_main[spawn 2-error]
-    guards it. Without this call, gloo's threads outlive main() after an error on torch 2.4.1, 2.13
-    and 2.15."""
+    guards it. Without this call, gloo's threads outlive main() after an error on torch 2.4.1,
+    2.5.1, 2.6, 2.13 and 2.15, so keep it on every torch."""
     traceback.clear_frames(exc.__traceback__)
 
 
