@@ -699,8 +699,11 @@ class StepSync:
     """At every step, all ranks add up three numbers in one all-reduce over gloo. These are the
     stop signals that they got, their counts of the step's items, and whether their streams have
     ended. So every rank knows the step's count of items over all ranks, and all ranks stop after
-    the same step. start() sends the numbers before the first forward, and finish() waits for the
-    sums. A step of samples calls finish() at its end, so that it does not wait.
+    the same step. The three numbers share one all-reduce, because each collective costs a round
+    trip between the ranks at every step. start() sends the numbers before the first forward, and
+    finish() waits for the sums. A step of tokens, or of a stream, needs its count before the
+    first forward, so it calls finish() there. Other steps call finish() at their end, so that they
+    do not wait.
 
     Preemption sends SIGTERM or SIGUSR1, Ctrl-C sends SIGINT, and a closed terminal sends SIGHUP.
     Trap: The handler only notes the signal, because a collective inside a handler deadlocks."""
