@@ -343,8 +343,8 @@ class Plan:
 @dataclasses.dataclass
 class Totals:
     """The sums of the loss and the metrics over some items, and the count of those items. Each sum
-    adds up means multiplied by their counts, so a sum over the count is an exact mean. One rank's
-    sums since the last loss all_reduce stay tensors on the device, and the others are floats."""
+    adds up means multiplied by their counts, so a sum over the count is an exact mean. In
+    TrainState.unreduced, the sums are tensors on the device. Elsewhere, they are floats."""
 
     sums: dict = dataclasses.field(default_factory=dict)
     count: int = 0
