@@ -2179,7 +2179,7 @@ ddp_train.build_model = lambda args: Annealed(model_default(args))
     "no-loss-all-reduce": (
         {3: "all_reduce left out"},
         (
-            "        dist.all_reduce(values)  # DDP: Add up every rank's sums.",
+            "        dist.all_reduce(values)  # DDP: Add up the sums and the counts of all ranks.",
             "        pass  # (no all_reduce)",
             "tinylm.py",
         ),
@@ -2189,7 +2189,7 @@ ddp_train.build_model = lambda args: Annealed(model_default(args))
     "no-loss-all-reduce-mixup": (
         {3: "all_reduce left out"},
         (
-            "        dist.all_reduce(values)  # DDP: Add up every rank's sums.",
+            "        dist.all_reduce(values)  # DDP: Add up the sums and the counts of all ranks.",
             "        pass  # (no all_reduce)",
             "imagefolder.py",
         ),
@@ -2199,7 +2199,7 @@ ddp_train.build_model = lambda args: Annealed(model_default(args))
     "no-loss-all-reduce-noisy": (
         {3: "all_reduce left out"},
         (
-            "        dist.all_reduce(values)  # DDP: Add up every rank's sums.",
+            "        dist.all_reduce(values)  # DDP: Add up the sums and the counts of all ranks.",
             "        pass  # (no all_reduce)",
             NOISY_LOSS,
         ),
