@@ -2563,6 +2563,19 @@ def make_check(tmp_path, script, args=(), checks=()) -> tuple[int, dict, str]:
     return code, lines, launch.stdout + launch.stderr
 
 
+def test_every_copy_that_edits_the_script_finds_its_line_once():
+    """The copies that edit a line of ddp_train.py run in the long tier. This test needs no launch,
+    so make test finds a line that an edit of the script renamed, in seconds."""
+    source = Path(SCRIPT).read_text()
+    edits = {}
+    for copies in (BROKEN_COPIES, CORRECT_COPIES):
+        for name, (_, body) in copies.items():
+            if isinstance(body, tuple):
+                edits[name] = body[0]
+    missing = {name: line for name, line in edits.items() if source.count(line) != 1}
+    assert len(edits) >= 10 and not missing, missing
+
+
 # make test checks three of the broken copies, and the long tier checks the others.
 IN_MAKE_TEST = ("summed-loss", "no-set-epoch", "every-rank-writes")
 
