@@ -316,7 +316,7 @@ def cleanup_distributed(world):
         destroy_process_group_gloo_last(world)  # DDP: Leave the process group (section 11).
 
 
-# ====== 3. The loop: read this section first ======================================================
+# ====== 3. The loop ===============================================================================
 # main(), setup_training(), train() and train_step() are the tutorials' loop, in torch's own names.
 # setup_training() builds the DistributedSampler, the DataLoader and DDP(...). After each step,
 # after_step() runs the loss all_reduce, the progress record, model.pt, the checkpoint, report(),
@@ -666,7 +666,8 @@ def after_step(args, world, state, step_sync, throughput, grad_norm, log_now):
 
 def check_step_sync(step_sync, state):
     """All ranks stop with one line if the stream of any rank has ended before this step, or if the
-    count of the step's items is wrong."""
+    count of the step's items is wrong. train_step() calls it before train() sets progress.step, so
+    progress.step still holds the last step that trained."""
     if step_sync.stream_ended:  # Only a stream ends, so other steps never build this message.
         trained_steps = state.progress.step
         if trained_steps > 0:
