@@ -1169,8 +1169,9 @@ def save_checkpoint(args, world, state):
         streams = [rank_state["stream"] for rank_state in rng_states]
         check(
             is_plain(streams),
-            "the stream's state_dict() holds values other than ints, floats, strings, lists and "
-            "dicts with string keys: make them plain, so that a checkpoint can hold them",
+            "the stream's state_dict() holds values other than ints, floats, strings, bools, "
+            "None, lists and dicts with string keys: make them plain, so that a checkpoint can "
+            "hold them",
         )
     unmap_optimizer_state(state.optimizers)  # Trap: Its docstring says why a resume needs this.
     if world.rank == 0:  # DDP: Only rank 0 writes the checkpoint.
